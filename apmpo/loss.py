@@ -1,0 +1,401 @@
+"""Policy losses of APMPO and its baselines (GRPO, DAPO, GMPO), as pure functions.
+
+    from apmpo.loss import LossConfig, adaptive_params, group_advantages, policy_loss
+
+    cfg = LossConfig(name="apmpo")                     # or "grpo", "dapo", "gmpo"; paper defaults built in
+    advantages = group_advantages(rewards, cfg.delta)  # rewards [B, G] -> [B, G]
+    params = adaptive_params(rewards, cfg)             # p, FSS, eps_ada from the step's reward statistics
+    loss, metrics = policy_loss(logp, old_logp, advantages.flatten(), mask, cfg, params)
+
+The formulas are those of ../shared/SPEC.md (APMPO paper, contradictions resolved). Three concerns are kept
+apart, each one small function:
+
+1. the per-token objective: the sign-aware clip of the log-ratio (`clipped_log_ratio`);
+2. how tokens become a sequence value: the power mean in log space (`power_mean`);
+3. how values are reduced over sequences and tokens, with global normalisers (`_reduce`).
+
+Everything runs in fp32 whatever the input dtype, with no Python loop over tokens or sequences, and no
+host synchronisation except where documented (`power_mean` inspects `p` on the host when it is a CPU
+tensor, which `adaptive_params` returns because rewards live on the CPU).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LossConfig",
+    "AdaptiveParams",
+    "adaptive_params",
+    "group_advantages",
+    "clipped_log_ratio",
+    "power_mean",
+    "policy_loss",
+    "kl_penalty",
+    "POLICY_LOSSES",
+]
+
+# Below this |p| the power mean uses its cumulant series (exact to O(p^3)) instead of dividing by p.
+SMALL_P = 1e-3
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """At least fp32: bf16/fp16 inputs are computed in fp32, fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Hyper-parameters of the policy loss. Defaults are the paper's (SPEC.md §2-4)."""
+
+    name: Literal["apmpo", "grpo", "dapo", "gmpo"] = "apmpo"
+    eps_low: float = 0.2  # fixed lower clip: ratio >= 1 - eps_low (all but gmpo)
+    eps_high: float | None = None  # fixed upper clip: grpo 0.2, dapo 0.28; apmpo uses it when fac=False
+    eps_min: float = 0.2  # FAC: eps_ada = eps_min + (eps_max - eps_min) * tanh(FSS)
+    eps_max: float = 0.4
+    gamma: float = 0.8  # PMPO: p = exp(-gamma * mu_R)  (or 1 - gamma * mu_R for p_schedule="linear")
+    delta: float = 1e-6  # added to standard deviations (advantages and FSS)
+    p_schedule: Literal["exp", "linear"] = "exp"
+    fss: Literal["full", "mu_only", "sigma_only"] = "full"  # FSS = mu/(sigma+delta) | mu | 1/(sigma+delta)
+    clip_mode: Literal["asymmetric", "symmetric"] = "asymmetric"  # symmetric: clip(r, 1-eps_ada, 1+eps_ada)
+    stats_scope: Literal["batch", "group"] = "batch"  # mu_R, sigma_R over the step's batch, or per prompt
+    fac: bool = True  # adaptive upper clip; False: eps_high (name="apmpo", fac=False is PMPO alone)
+    pmpo: bool = True  # adaptive power mean; False: p = 1 (name="apmpo", pmpo=False is GRPO+FAC)
+    gmpo_clip: float = 0.4  # GMPO clips the log-ratio to [-gmpo_clip, gmpo_clip], sign-aware
+    kl_beta: float = 0.001  # weight of KL(pi_theta || pi_ref); 0 means no reference model at all
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+
+    def __post_init__(self):
+        # The one default that differs by method: DAPO's clip-higher.
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", 0.28 if self.name == "dapo" else 0.2)
+        choices = {
+            "name": POLICY_LOSSES.keys(),
+            "p_schedule": ("exp", "linear"),
+            "fss": ("full", "mu_only", "sigma_only"),
+            "clip_mode": ("asymmetric", "symmetric"),
+            "stats_scope": ("batch", "group"),
+            "kl_estimator": ("k1", "k2", "k3"),
+        }
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"LossConfig.{key}={getattr(self, key)!r}; expected one of {sorted(allowed)}")
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"LossConfig.eps_low={self.eps_low} must be in [0, 1)")
+        if not 0 <= self.eps_min <= self.eps_max:
+            raise ValueError(f"LossConfig needs 0 <= eps_min <= eps_max, got {self.eps_min}, {self.eps_max}")
+        if self.clip_mode == "symmetric" and self.eps_max >= 1:
+            raise ValueError(f"clip_mode='symmetric' needs eps_max < 1, got {self.eps_max}")
+        if self.delta <= 0 or self.kl_beta < 0:
+            raise ValueError("LossConfig needs delta > 0 and kl_beta >= 0")
+
+
+@dataclass(frozen=True)
+class AdaptiveParams:
+    """The step's reward statistics and what APMPO derives from them.
+
+    Each field is a 0-d fp32 tensor (stats_scope="batch") or shape [B] (stats_scope="group", one per prompt).
+    `policy_loss` takes 0-d fields or fields of shape [N], one per sequence: see `per_sequence`.
+    """
+
+    p: Tensor  # power of the mean: 1 arithmetic (GRPO), 0 geometric (GMPO)
+    eps_ada: Tensor  # upper clip: ratio <= 1 + eps_ada
+    fss: Tensor  # feedback stability score
+    mu: Tensor  # mean reward
+    sigma: Tensor  # population standard deviation of the rewards
+
+    def per_sequence(self, group_index: Tensor) -> "AdaptiveParams":
+        """Per-prompt fields indexed to per-sequence ones: `group_index[i]` is the prompt of sequence i."""
+        if self.p.dim() == 0:
+            return self
+        return AdaptiveParams(*(getattr(self, f.name)[group_index] for f in fields(self)))
+
+
+def group_advantages(rewards: Tensor, delta: float = 1e-6) -> Tensor:
+    """A_i = (R_i - mean_g R) / (std_g R + delta) within each group; all-equal groups get exactly 0.
+
+    rewards: [B, G] (B prompts x G samples). Population std. Returns fp32 [B, G].
+    """
+    _check_rewards(rewards)
+    r = rewards.float()
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, unbiased=False, keepdim=True)
+    # An all-equal group can round to a tiny non-zero R - mean, which delta would blow up: force 0.
+    all_equal = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    return torch.where(all_equal, torch.zeros_like(r), (r - mean) / (std + delta))
+
+
+def adaptive_params(rewards: Tensor, cfg: LossConfig) -> AdaptiveParams:
+    """p, FSS and eps_ada (SPEC §2) from the step's rewards [B, G].
+
+    Batch scope reduces over all B*G rewards: pass the rewards of every data-parallel rank, so all ranks
+    derive the same numbers. For grpo/dapo/gmpo, p and eps_ada report what those losses use (p=1 for the
+    arithmetic mean, p=0 for GMPO's geometric one; their fixed upper clip).
+    """
+    _check_rewards(rewards)
+    r = rewards.float().detach()
+    dims = (0, 1) if cfg.stats_scope == "batch" else (1,)
+    mu = r.mean(dim=dims)
+    sigma = r.std(dim=dims, unbiased=False)
+
+    if cfg.fss == "full":
+        fss = mu / (sigma + cfg.delta)
+    elif cfg.fss == "mu_only":
+        fss = mu
+    else:
+        fss = 1.0 / (sigma + cfg.delta)
+
+    if cfg.name == "apmpo" and cfg.pmpo:
+        p = torch.exp(-cfg.gamma * mu) if cfg.p_schedule == "exp" else 1.0 - cfg.gamma * mu
+    else:
+        p = torch.full_like(mu, 0.0 if cfg.name == "gmpo" else 1.0)
+
+    if cfg.name == "apmpo" and cfg.fac:
+        eps_ada = cfg.eps_min + (cfg.eps_max - cfg.eps_min) * torch.tanh(fss)
+    elif cfg.name == "gmpo":
+        eps_ada = torch.full_like(mu, math.expm1(cfg.gmpo_clip))
+    else:
+        eps_ada = torch.full_like(mu, cfg.eps_high)
+    return AdaptiveParams(p=p, eps_ada=eps_ada, fss=fss, mu=mu, sigma=sigma)
+
+
+# --------------------------------------------------------------------------- per-token objective
+
+
+def clipped_log_ratio(log_ratio: Tensor, advantages: Tensor, log_lo: Tensor | float, log_hi: Tensor | float) -> Tensor:
+    """log of the effective ratio rho' with min(r*A, clip(r, lo, hi)*A) = A*rho' (PPO's pessimistic clip).
+
+    A > 0: log rho' = min(l, log_hi); A < 0: log rho' = max(l, log_lo); A = 0: 0 (the row contributes
+    nothing, and no gradient). Clipped tokens get zero gradient, exactly as in PPO. Bounds broadcast
+    against [N, 1]. advantages: [N].
+    """
+    a = advantages.unsqueeze(-1)
+    upper = log_ratio.clamp(max=log_hi) if isinstance(log_hi, float) else torch.minimum(log_ratio, log_hi)
+    lower = log_ratio.clamp(min=log_lo) if isinstance(log_lo, float) else torch.maximum(log_ratio, log_lo)
+    return torch.where(a > 0, upper, torch.where(a < 0, lower, torch.zeros_like(log_ratio)))
+
+
+# --------------------------------------------------------------------------- tokens -> sequence value
+
+
+def power_mean(log_x: Tensor, mask: Tensor, p: Tensor | float) -> Tensor:
+    """log M_p(x) per row, with M_p(x) = ((1/n) sum_t x_t^p)^(1/p) over the masked entries, from log x.
+
+    log_x, mask: [N, T]; p: float, 0-d or [N]. Returns [N] in fp32 (fp64 for fp64 input).
+
+    With m = mean_t log x and d_t = log x_t - m, log M_p = m + log(mean_t exp(p d_t)) / p. The log-mean-exp is
+    evaluated as s + log1p(mean_t expm1(p d_t - s)), s = max_t p d_t: the shift prevents overflow for any sign
+    and size of p, and expm1/log1p keep the relative precision of the small deviations, so the division by p
+    does not amplify rounding. For |p| < SMALL_P the cumulant series m + p var/2 + p^2 k3/6 is used instead
+    (exact as p -> 0, the geometric mean); value and gradient are continuous across the threshold.
+    """
+    log_x = _upcast(log_x)
+    maskf = mask.to(log_x.dtype)
+    p = torch.as_tensor(p, dtype=log_x.dtype)
+    small = p.abs() < SMALL_P
+    # Evaluate only the branches some row needs. p comes from rewards on the CPU, so this check costs no
+    # device sync; a p already on an accelerator takes both branches rather than syncing.
+    on_host = p.device.type == "cpu"
+    need_series = bool(small.any()) if on_host else True
+    need_exact = bool((~small).any()) if on_host else True
+    p, small = p.to(log_x.device), small.to(log_x.device)
+    if p.dim() == 1:  # one p per row
+        p, small = p.unsqueeze(-1), small.unsqueeze(-1)
+    n = maskf.sum(dim=-1, keepdim=True)
+    m = (log_x * maskf).sum(dim=-1, keepdim=True) / n
+    d = (log_x - m) * maskf  # 0 on padding
+
+    out = m.new_zeros(m.shape)
+    if need_exact:
+        p_safe = torch.where(small, torch.full_like(p, SMALL_P), p)
+        u = p_safe * d
+        s = u.amax(dim=-1, keepdim=True).detach()  # >= 0 as mean(u) = 0; the value does not depend on s
+        log_mean_exp = s + torch.log1p((torch.expm1(u - s) * maskf).sum(dim=-1, keepdim=True) / n)
+        out = torch.where(small, out, m + log_mean_exp / p_safe)
+    if need_series:
+        d2 = d * d
+        var = d2.sum(dim=-1, keepdim=True) / n
+        k3 = (d2 * d).sum(dim=-1, keepdim=True) / n
+        out = torch.where(small, m + p * var / 2 + p * p * k3 / 6, out)
+    return out.squeeze(-1)
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def _reduce(values: Tensor, normalizer: Tensor | float | None, default: Tensor | float) -> Tensor:
+    """sum(values) / normalizer. The normaliser is the global count over micro-batches and ranks, so that
+    how a batch is split never changes the loss or its gradient; it defaults to this call's own count."""
+    return values.sum() / (default if normalizer is None else normalizer)
+
+
+# --------------------------------------------------------------------------- the losses
+
+LossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
+
+
+def _fixed_log_bounds(cfg: LossConfig) -> tuple[float, float]:
+    return math.log1p(-cfg.eps_low), math.log1p(cfg.eps_high)
+
+
+def _clipped(logp, old_logp, advantages, log_lo, log_hi) -> tuple[Tensor, Tensor]:
+    """fp32 log-ratio l = log pi_theta - log pi_old, and log rho' after the sign-aware clip."""
+    log_ratio = _upcast(logp) - _upcast(old_logp)
+    return log_ratio, clipped_log_ratio(log_ratio, advantages, log_lo, log_hi)
+
+
+def grpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+    """GRPO: min(r A, clip(r, 1-eps_low, 1+eps_high) A), mean over each sequence's tokens, then over sequences."""
+    log_lo, log_hi = _fixed_log_bounds(cfg)
+    log_ratio, log_rho = _clipped(logp, old_logp, advantages, log_lo, log_hi)
+    maskf = mask.to(log_rho.dtype)
+    per_seq = (advantages.unsqueeze(-1) * torch.exp(log_rho) * maskf).sum(-1) / maskf.sum(-1)
+    loss = -_reduce(per_seq, num_seqs, per_seq.numel())
+    return loss, _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params)
+
+
+def dapo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+    """DAPO: the same clipped token objective (clip-higher 0.28), averaged over all tokens of the batch."""
+    log_lo, log_hi = _fixed_log_bounds(cfg)
+    log_ratio, log_rho = _clipped(logp, old_logp, advantages, log_lo, log_hi)
+    maskf = mask.to(log_rho.dtype)
+    token_obj = advantages.unsqueeze(-1) * torch.exp(log_rho) * maskf
+    loss = -_reduce(token_obj, num_tokens, maskf.sum())
+    return loss, _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params)
+
+
+def gmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+    """GMPO: log-ratio clipped sign-aware to [-c, c], sequence ratio exp(mean_t), objective A * ratio."""
+    log_lo, log_hi = -cfg.gmpo_clip, cfg.gmpo_clip
+    log_ratio, log_rho = _clipped(logp, old_logp, advantages, log_lo, log_hi)
+    maskf = mask.to(log_rho.dtype)
+    per_seq = advantages * torch.exp((log_rho * maskf).sum(-1) / maskf.sum(-1))
+    loss = -_reduce(per_seq, num_seqs, per_seq.numel())
+    return loss, _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params)
+
+
+def apmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+    """APMPO: J_i = A_i * M_p(rho'_i) with rho' clipped to [1-eps_low, 1+eps_ada]; mean over sequences.
+
+    M_p is 1-homogeneous, so sgn(A) M_p(|A| rho') = A M_p(rho') and the power mean runs on log rho' alone.
+    """
+    eps_ada = params.eps_ada.to(device=logp.device, dtype=torch.promote_types(logp.dtype, torch.float32))
+    eps_ada = eps_ada.unsqueeze(-1) if eps_ada.dim() == 1 else eps_ada
+    log_hi = torch.log1p(eps_ada)
+    log_lo = torch.log1p(-eps_ada) if cfg.clip_mode == "symmetric" else math.log1p(-cfg.eps_low)
+    log_ratio, log_rho = _clipped(logp, old_logp, advantages, log_lo, log_hi)
+    maskf = mask.to(log_rho.dtype)
+    per_seq = advantages * torch.exp(power_mean(log_rho, maskf, params.p))
+    loss = -_reduce(per_seq, num_seqs, per_seq.numel())
+    return loss, _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params)
+
+
+POLICY_LOSSES: dict[str, LossFn] = {"apmpo": apmpo_loss, "grpo": grpo_loss, "dapo": dapo_loss, "gmpo": gmpo_loss}
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    params: AdaptiveParams,
+    *,
+    ref_logp: Tensor | None = None,
+    num_seqs: Tensor | float | None = None,
+    num_tokens: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss to minimise, -J of SPEC.md, and detached metrics.
+
+    logp, old_logp: [N, T] log-probs of the sampled tokens under the current and the rollout policy;
+    advantages: [N]; mask: [N, T] bool/float, 1 on completion tokens (every row needs at least one);
+    params: from `adaptive_params`, fields 0-d or [N] (see `AdaptiveParams.per_sequence`).
+    ref_logp: [N, T] reference log-probs; with cfg.kl_beta > 0 the loss includes kl_beta * KL.
+    num_seqs, num_tokens: global counts of the optimisation batch when this call sees one micro-batch of it
+    (sequence-mean losses use num_seqs, DAPO's token mean num_tokens); default: this call's own counts.
+    """
+    _check_inputs(logp, old_logp, advantages, mask, params, ref_logp)
+    loss, metrics = POLICY_LOSSES[cfg.name](
+        logp, old_logp, _upcast(advantages), mask, cfg, params, num_seqs=num_seqs, num_tokens=num_tokens
+    )
+    if ref_logp is not None and cfg.kl_beta > 0:
+        kl = kl_penalty(logp, ref_logp, mask, cfg, num_seqs=num_seqs)
+        loss = loss + cfg.kl_beta * kl
+        metrics["loss/kl"] = kl.detach()
+    return loss, metrics
+
+
+def kl_penalty(
+    logp: Tensor, ref_logp: Tensor, mask: Tensor, cfg: LossConfig, *, num_seqs: Tensor | float | None = None
+) -> Tensor:
+    """KL(pi_theta || pi_ref) estimated per token (k1, k2 or k3 of cfg.kl_estimator), averaged over each
+    sequence's tokens, then over sequences (global `num_seqs` as in `policy_loss`). Not multiplied by beta."""
+    if ref_logp.shape != logp.shape:
+        raise ValueError(f"ref_logp has shape {tuple(ref_logp.shape)}, expected {tuple(logp.shape)} like logp")
+    log_ref_ratio = _upcast(ref_logp) - _upcast(logp)  # log pi_ref / pi_theta
+    if cfg.kl_estimator == "k1":
+        per_token = -log_ref_ratio
+    elif cfg.kl_estimator == "k2":
+        per_token = 0.5 * log_ref_ratio.square()
+    else:
+        per_token = torch.expm1(log_ref_ratio) - log_ref_ratio
+    maskf = mask.to(per_token.dtype)
+    per_seq = (per_token * maskf).sum(-1) / maskf.sum(-1)
+    return _reduce(per_seq, num_seqs, per_seq.numel())
+
+
+# --------------------------------------------------------------------------- metrics and checks
+
+
+@torch.no_grad()
+def _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params) -> dict[str, Tensor]:
+    """Token means over this call's tokens, all detached; no host sync."""
+    n_tokens = maskf.sum()
+    a = advantages.unsqueeze(-1)
+    upper = (a > 0) & (log_ratio > log_hi)  # gradient cut by the upper clip
+    lower = (a < 0) & (log_ratio < log_lo)  # gradient cut by the lower clip
+    ratio = torch.exp(log_ratio)
+    return {
+        "loss/policy": loss.detach(),
+        "loss/clip_frac_upper": (upper * maskf).sum() / n_tokens,
+        "loss/clip_frac_lower": (lower * maskf).sum() / n_tokens,
+        "policy/ratio_mean": (ratio * maskf).sum() / n_tokens,
+        # KL(pi_old || pi_theta) by the k3 estimator on the rollout's tokens: E_old[r - 1 - log r].
+        "policy/approx_kl": ((ratio - 1 - log_ratio) * maskf).sum() / n_tokens,
+        "apmpo/p": params.p.float().mean(),
+        "apmpo/eps_ada": params.eps_ada.float().mean(),
+        "apmpo/fss": params.fss.float().mean(),
+    }
+
+
+def _check_rewards(rewards: Tensor) -> None:
+    if not isinstance(rewards, Tensor) or rewards.dim() != 2:
+        shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a tensor [B, G] (prompts x samples), got {shape}")
+
+
+def _check_inputs(logp, old_logp, advantages, mask, params, ref_logp) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [N, T], got shape {tuple(logp.shape)}")
+    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} like logp")
+    n = logp.shape[0]
+    if advantages.shape != (n,):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({n},): one per row of logp")
+    # Checked on the host only: on an accelerator it would cost a sync per call (the learner builds and
+    # checks its masks on the CPU; an empty row there would give NaN).
+    empty = (mask.sum(-1) == 0).nonzero().flatten() if mask.device.type == "cpu" else mask.new_zeros(0)
+    if empty.numel():
+        raise ValueError(f"mask has rows without tokens: {empty[:8].tolist()}; every sequence needs >= 1 token")
+    for f in fields(params):
+        value = getattr(params, f.name)
+        if value.dim() != 0 and tuple(value.shape) != (n,):
+            raise ValueError(
+                f"params.{f.name} has shape {tuple(value.shape)}; policy_loss needs 0-d or ({n},), one per "
+                "sequence: use params.per_sequence(group_index) for stats_scope='group'"
+            )

@@ -1,0 +1,457 @@
+"""apmpo.loss against hand-computed cases and a slow per-token reference written in ratio space.
+
+The kernel works on log-ratios with a log-space power mean; the reference below works on ratios
+r = pi/pi_old with Python loops over sequences and tokens, straight from the paper's equations
+(Eq. 7-9, Appendix A), in float64. The two share no code.
+"""
+import math
+
+import pytest
+import torch
+
+from apmpo.loss import (
+    SMALL_P,
+    AdaptiveParams,
+    LossConfig,
+    adaptive_params,
+    group_advantages,
+    kl_penalty,
+    policy_loss,
+    power_mean,
+)
+
+# --------------------------------------------------------------------------- the reference
+
+
+def reference_objective(logp, old_logp, adv, mask, name, eps_low, eps_high, p, gmpo_clip=0.4):
+    """J of the paper, per token in ratio space. p and eps_high: floats or per-sequence lists."""
+    N, T = logp.shape
+    per_seq, tokens = [], []
+    for i in range(N):
+        A = adv[i]
+        p_i = p[i] if isinstance(p, (list, tuple)) else p
+        hi = eps_high[i] if isinstance(eps_high, (list, tuple)) else eps_high
+        U = []  # min(r A, clip(r, lo, hi) A) per token
+        for t in range(T):
+            if not mask[i][t]:
+                continue
+            r = torch.exp(logp[i, t] - old_logp[i, t])
+            if name == "gmpo":
+                # Appendix A with the sign convention of SPEC.md: clip log r sign-aware to [-c, c].
+                log_r = torch.log(r)
+                clipped = torch.clamp(log_r, -gmpo_clip, gmpo_clip)
+                U.append(torch.minimum(log_r, clipped) if A >= 0 else torch.maximum(log_r, clipped))
+                continue
+            rho = torch.clamp(r, 1 - eps_low, 1 + hi)
+            U.append(torch.minimum(r * A, rho * A))
+        n = len(U)
+        tokens.append(U)
+        if name in ("grpo", "dapo"):
+            per_seq.append(sum(U) / n)
+        elif name == "gmpo":
+            per_seq.append(A * torch.exp(sum(U) / n))
+        elif A == 0:
+            per_seq.append(torch.zeros((), dtype=logp.dtype))  # sgn(0) = 0
+        else:
+            phi = [torch.abs(u) for u in U]
+            if p_i == 0:  # the limit p -> 0: geometric mean
+                M = torch.exp(sum(torch.log(x) for x in phi) / n)
+            else:
+                M = (sum(x**p_i for x in phi) / n) ** (1 / p_i)
+            per_seq.append(math.copysign(1.0, A) * M)
+    if name == "dapo":
+        return sum(u for U in tokens for u in U) / sum(len(U) for U in tokens)
+    return sum(per_seq) / N
+
+
+def random_batch(N, T, seed, scale=0.3, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(N, T, generator=g, dtype=dtype) * 3
+    logp = old + torch.randn(N, T, generator=g, dtype=dtype) * scale
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    adv = torch.randn(N, generator=g, dtype=dtype)
+    adv[0] = 0.0  # always one zero-advantage row
+    return logp, old, adv, mask
+
+
+def params_for(p, eps_ada):
+    t = lambda x: torch.as_tensor(x, dtype=torch.float32)
+    return AdaptiveParams(p=t(p), eps_ada=t(eps_ada), fss=t(0.0), mu=t(0.0), sigma=t(0.0))
+
+
+def kernel_value_and_grad(logp, old, adv, mask, cfg, params):
+    x = logp.detach().clone().requires_grad_(True)
+    loss, metrics = policy_loss(x, old, adv, mask, cfg, params)
+    loss.backward()
+    return loss.detach().double(), x.grad.double(), metrics
+
+
+def reference_value_and_grad(logp, old, adv, mask, **kw):
+    x = logp.detach().clone().double().requires_grad_(True)
+    J = reference_objective(x, old.double(), adv.tolist(), mask.tolist(), **kw)
+    (-J).backward()
+    return -J.detach(), x.grad
+
+
+# --------------------------------------------------------------------------- hand-computed cases
+
+
+def test_hand_apmpo_p1_upper_clip():
+    # A = 1, r = [1.1, 1.5], eps_ada = 0.3: rho' = [1.1, min(1.5, 1.3) = 1.3]; M_1 = (1.1 + 1.3)/2 = 1.2; loss = -1.2.
+    # Gradient: token 0 unclipped, d/dlogp (A r / n) = 1.1/2 = 0.55 -> loss grad -0.55; token 1 clipped -> 0.
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.1, 1.5]])).requires_grad_(True)
+    loss, m = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), LossConfig(), params_for(1.0, 0.3))
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2, abs=1e-6)
+    assert logp.grad.tolist()[0] == pytest.approx([-0.55, 0.0], abs=1e-6)
+    assert m["loss/clip_frac_upper"].item() == pytest.approx(0.5)
+
+
+def test_hand_apmpo_half_power():
+    # A = 2, r = [1.0, 1.21], eps_ada = 0.3 (no clip): phi = 2 * [1, 1.21].
+    # M_0.5(rho') = ((sqrt(1) + sqrt(1.21)) / 2)^2 = (2.1/2)^2 = 1.1025; J = A * M = 2.205; loss = -2.205.
+    # Appendix H: dJ/dlogp_t = (1/n) M_p(phi)^(1-p) phi_t^(p-1) A r_t, M_p(phi) = 2.205:
+    #   t=0: 0.5 * 2.205^0.5 * 2^-0.5 * 2 * 1      = 0.5 * 1.48492 * 0.70711 * 2    = 1.05
+    #   t=1: 0.5 * 2.205^0.5 * 2.42^-0.5 * 2 * 1.21 = 0.5 * 1.48492 * 0.64282 * 2.42 = 1.155
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.0, 1.21]])).requires_grad_(True)
+    loss, _ = policy_loss(logp, old, torch.tensor([2.0]), torch.ones(1, 2), LossConfig(), params_for(0.5, 0.3))
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.205, abs=1e-5)
+    assert logp.grad.tolist()[0] == pytest.approx([-1.05, -1.155], abs=1e-5)
+
+
+def test_hand_negative_advantage_lower_clip():
+    # A = -1, r = [0.5, 1.0], eps_low = 0.2: rho' = max(r, 0.8) = [0.8, 1.0]; p = 1: M = 0.9, J = -0.9, loss = 0.9.
+    # Token 0 is clipped (no gradient); token 1: dJ/dlogp = A r / n = -0.5 -> loss grad +0.5.
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[0.5, 1.0]])).requires_grad_(True)
+    loss, m = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 2), LossConfig(), params_for(1.0, 0.3))
+    loss.backward()
+    assert loss.item() == pytest.approx(0.9, abs=1e-6)
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, 0.5], abs=1e-6)
+    assert m["loss/clip_frac_lower"].item() == pytest.approx(0.5)
+
+
+def test_hand_geometric_and_harmonic():
+    # x = [0.81, 1.0] (masked third entry ignored): geometric mean sqrt(0.81) = 0.9;
+    # harmonic (p = -1): 2 / (1/0.81 + 1) = 2 / 2.2345679 = 0.8950276; quadratic (p = 2): sqrt((0.6561 + 1)/2) = sqrt(0.82805) = 0.9099725.
+    log_x = torch.log(torch.tensor([[0.81, 1.0, 5.0]]))
+    mask = torch.tensor([[1, 1, 0]])
+    assert power_mean(log_x, mask, 0.0).exp().item() == pytest.approx(0.9, abs=1e-7)
+    assert power_mean(log_x, mask, -1.0).exp().item() == pytest.approx(0.8950276, abs=1e-6)
+    assert power_mean(log_x, mask, 2.0).exp().item() == pytest.approx(0.9099725, abs=1e-6)
+
+
+def test_hand_adaptive_params():
+    # rewards [[1, 0], [1, 1]]: mu = 0.75, sigma = sqrt(0.75 * 0.25) = 0.4330127;
+    # FSS = 0.75 / 0.4330137 = 1.7320468; tanh(FSS) = 0.9392973; eps_ada = 0.2 + 0.2 * 0.9392973 = 0.3878595;
+    # p = exp(-0.8 * 0.75) = exp(-0.6) = 0.5488116.
+    params = adaptive_params(torch.tensor([[1.0, 0.0], [1.0, 1.0]]), LossConfig())
+    assert params.mu.item() == pytest.approx(0.75)
+    assert params.sigma.item() == pytest.approx(0.4330127, abs=1e-6)
+    assert params.fss.item() == pytest.approx(1.7320468, abs=1e-5)
+    assert params.eps_ada.item() == pytest.approx(0.3878595, abs=1e-6)
+    assert params.p.item() == pytest.approx(0.5488116, abs=1e-6)
+    # linear schedule: p = 1 - 0.8 * 0.75 = 0.4; mu_only: eps = 0.2 + 0.2 tanh(0.75) = 0.3270298;
+    # sigma_only: eps = 0.2 + 0.2 tanh(1/0.4330137) = 0.2 + 0.2 * 0.9804633 = 0.3960927.
+    r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    assert adaptive_params(r, LossConfig(p_schedule="linear")).p.item() == pytest.approx(0.4, abs=1e-6)
+    assert adaptive_params(r, LossConfig(fss="mu_only")).eps_ada.item() == pytest.approx(0.3270298, abs=1e-6)
+    assert adaptive_params(r, LossConfig(fss="sigma_only")).eps_ada.item() == pytest.approx(0.3960927, abs=1e-6)
+    # Group scope: row 0 (mu .5, sigma .5, FSS 0.999998, eps 0.2 + 0.2 * 0.7615934 = 0.3523186, p = exp(-.4));
+    # row 1 (mu 1, sigma 0, FSS 1e6 -> eps_max = 0.4, p = exp(-0.8) = 0.4493290).
+    g = adaptive_params(r, LossConfig(stats_scope="group"))
+    assert g.eps_ada.tolist() == pytest.approx([0.3523186, 0.4], abs=1e-6)
+    assert g.p.tolist() == pytest.approx([math.exp(-0.4), 0.4493290], abs=1e-6)
+    # Switched off: PMPO alone keeps eps_high; GRPO+FAC keeps p = 1.
+    assert adaptive_params(r, LossConfig(fac=False)).eps_ada.item() == pytest.approx(0.2)
+    assert adaptive_params(r, LossConfig(pmpo=False)).p.item() == 1.0
+
+
+def test_hand_group_advantages():
+    # [1, 0, 0, 0]: mean 0.25, std sqrt(0.25 * 0.75) = 0.4330127 -> 0.75 / 0.4330137 = 1.7320468, -0.25/0.4330137 = -0.5773489.
+    # [0.1] * 4 rounds to a mean that is not exactly 0.1, yet an all-equal group must give exactly 0.
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1]]))
+    assert adv[0].tolist() == pytest.approx([1.7320468, -0.5773489, -0.5773489, -0.5773489], abs=1e-5)
+    assert adv[1].tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_hand_kl_estimators():
+    # logp = log 0.5, ref = log 0.25: log(ref/pi) = -log 2 = -0.6931472.
+    # k1 = log(pi/ref) = 0.6931472; k2 = 0.5 * 0.480453 = 0.2402265; k3 = 0.5 - 1 + 0.6931472 = 0.1931472.
+    logp, ref, mask = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]])), torch.ones(1, 1)
+    for est, want in (("k1", 0.6931472), ("k2", 0.2402265), ("k3", 0.1931472)):
+        assert kl_penalty(logp, ref, mask, LossConfig(kl_estimator=est)).item() == pytest.approx(want, abs=1e-6)
+
+
+def test_paper_defaults_by_name():
+    assert LossConfig(name="grpo").eps_high == 0.2
+    assert LossConfig(name="dapo").eps_high == 0.28
+    cfg = LossConfig()
+    assert (cfg.gamma, cfg.eps_min, cfg.eps_max, cfg.eps_low, cfg.delta, cfg.kl_beta) == (0.8, 0.2, 0.4, 0.2, 1e-6, 0.001)
+    with pytest.raises(ValueError, match="name"):
+        LossConfig(name="ppo")
+
+
+# --------------------------------------------------------------------------- against the reference
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "name,p,clip_mode",
+    [("apmpo", 0.7, "asymmetric"), ("apmpo", 1.0, "asymmetric"), ("apmpo", 0.3, "symmetric"),
+     ("apmpo", -0.5, "asymmetric"), ("apmpo", -2.0, "asymmetric"), ("apmpo", 2.5, "asymmetric"),
+     ("apmpo", 0.0, "asymmetric"), ("grpo", None, None), ("dapo", None, None), ("gmpo", None, None)],
+)
+def test_matches_reference(seed, name, p, clip_mode):
+    g = torch.Generator().manual_seed(100 + seed)
+    N, T = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 14, (1,), generator=g))
+    logp, old, adv, mask = random_batch(N, T, seed)
+    if name == "apmpo":
+        cfg, eps_ada = LossConfig(clip_mode=clip_mode), 0.33
+        params = params_for(p, eps_ada)
+        lo = eps_ada if clip_mode == "symmetric" else cfg.eps_low
+        kw = dict(name="apmpo", eps_low=lo, eps_high=eps_ada, p=p)
+    else:
+        cfg = LossConfig(name=name)
+        params = adaptive_params(torch.rand(2, 4), cfg)
+        kw = dict(name=name, eps_low=cfg.eps_low, eps_high=cfg.eps_high, p=1.0)
+    value, grad, _ = kernel_value_and_grad(logp.float(), old.float(), adv.float(), mask, cfg, params)
+    ref_value, ref_grad = reference_value_and_grad(logp.float(), old.float(), adv.float(), mask, **kw)
+    assert value.item() == pytest.approx(ref_value.item(), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_group_scope_matches_reference(seed):
+    B, G, T = 3, 4, 9
+    logp, old, adv, mask = random_batch(B * G, T, seed)
+    cfg = LossConfig(stats_scope="group")
+    rewards = (torch.rand(B, G, generator=torch.Generator().manual_seed(seed)) > 0.4).float()
+    params = adaptive_params(rewards, cfg).per_sequence(torch.arange(B).repeat_interleave(G))
+    value, grad, m = kernel_value_and_grad(logp.float(), old.float(), adv.float(), mask, cfg, params)
+    ref_value, ref_grad = reference_value_and_grad(
+        logp.float(), old.float(), adv.float(), mask, name="apmpo", eps_low=0.2,
+        eps_high=params.eps_ada.tolist(), p=params.p.tolist(),
+    )
+    assert value.item() == pytest.approx(ref_value.item(), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [0.8, 0.3, -0.7])
+def test_gradient_equals_appendix_h(p):
+    """dJ_i/dlogp_t = (1/n) M_p(phi)^(1-p) phi_t^(p-1) * dU_t/dlogp_t, dU_t = A r_t where unclipped, else 0."""
+    logp, old, adv, mask = random_batch(6, 10, seed=7, scale=0.4)
+    eps_ada, eps_low = 0.3, 0.2
+    _, grad, _ = kernel_value_and_grad(logp.float(), old.float(), adv.float(), mask, LossConfig(), params_for(p, eps_ada))
+    N = logp.shape[0]
+    want = torch.zeros_like(logp)
+    for i in range(N):
+        A = adv[i].item()
+        if A == 0:
+            continue
+        toks = [t for t in range(logp.shape[1]) if mask[i, t]]
+        r = {t: math.exp(logp[i, t] - old[i, t]) for t in toks}
+        rho = {t: min(max(r[t], 1 - eps_low), 1 + eps_ada) for t in toks}
+        phi = {t: abs(min(r[t] * A, rho[t] * A)) for t in toks}
+        M = (sum(phi[t] ** p for t in toks) / len(toks)) ** (1 / p)
+        for t in toks:
+            unclipped = (r[t] * A <= rho[t] * A)  # min picks r A
+            dU = A * r[t] if unclipped else 0.0
+            want[i, t] = -(M ** (1 - p)) * phi[t] ** (p - 1) * dU / len(toks) / N  # loss = -J
+    torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- limits and equivalences
+
+
+def test_p1_is_grpo_exactly():
+    logp, old, adv, mask = random_batch(16, 20, seed=3)
+    args = (logp.float(), old.float(), adv.float(), mask)
+    grpo = kernel_value_and_grad(*args, LossConfig(name="grpo"), params_for(1.0, 0.2))
+    pmpo_off = LossConfig(name="apmpo", pmpo=False, fac=False)
+    apmpo = kernel_value_and_grad(*args, pmpo_off, adaptive_params(torch.rand(4, 4), pmpo_off))
+    assert apmpo[0].item() == pytest.approx(grpo[0].item(), rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(apmpo[1], grpo[1], rtol=1e-5, atol=1e-7)
+
+
+def test_p0_is_gmpo_geometric_mean_with_same_clipping():
+    logp, old, adv, mask = random_batch(16, 20, seed=4)
+    args = (logp.float(), old.float(), adv.float(), mask)
+    # apmpo at p = 0 with upper clip e^0.4 - 1 and lower 1 - e^-0.4 is GMPO exactly.
+    cfg = LossConfig(eps_low=-math.expm1(-0.4))
+    apmpo = kernel_value_and_grad(*args, cfg, params_for(0.0, math.expm1(0.4)))
+    gmpo = kernel_value_and_grad(*args, LossConfig(name="gmpo"), params_for(0.0, 0.0))
+    assert apmpo[0].item() == pytest.approx(gmpo[0].item(), rel=1e-6)
+    torch.testing.assert_close(apmpo[1], gmpo[1], rtol=1e-5, atol=1e-7)
+    # and p -> 0 from either side converges to it
+    for p in (1e-7, -1e-7, 1e-4):
+        near = kernel_value_and_grad(*args, cfg, params_for(p, math.expm1(0.4)))
+        assert near[0].item() == pytest.approx(apmpo[0].item(), rel=2e-4)
+
+
+def test_continuous_across_small_p_threshold():
+    g = torch.Generator().manual_seed(0)
+    log_x = (torch.randn(5, 30, generator=g) * 0.5).requires_grad_(True)
+    mask = torch.rand(5, 30, generator=g) > 0.2
+    results = []
+    for p in (SMALL_P * (1 - 1e-6), SMALL_P * (1 + 1e-6), -SMALL_P * (1 - 1e-6), -SMALL_P * (1 + 1e-6)):
+        log_x.grad = None
+        v = power_mean(log_x, mask, p)
+        v.sum().backward()
+        results.append((v.detach(), log_x.grad.clone()))
+    for below, above in (results[0:2], results[2:4]):
+        torch.testing.assert_close(below[0], above[0], rtol=0, atol=2e-7)
+        torch.testing.assert_close(below[1], above[1], rtol=0, atol=2e-7)
+
+
+@pytest.mark.parametrize("p", [3.0, 1.0, 0.5, 0.01, 2e-3, 5e-4, 1e-6, 0.0, -1e-4, -0.3, -1.0, -4.0])
+def test_power_mean_against_float64(p):
+    g = torch.Generator().manual_seed(1)
+    log_x = torch.randn(7, 25, generator=g, dtype=torch.float64) * 0.4
+    mask = torch.rand(7, 25, generator=g) > 0.3
+    mask[:, 0] = True
+    got = power_mean(log_x.float(), mask, p).double()
+    for i in range(7):
+        xs = log_x[i][mask[i]]
+        want = xs.mean() if p == 0 else torch.log(torch.exp(p * xs).mean()) / p
+        assert got[i].item() == pytest.approx(want.item(), abs=3e-7)
+
+
+def test_power_mean_extreme_log_ratios_stay_finite():
+    # A clamped log-ratio is unbounded on one side: -40 with p = -1 would overflow exp(-p * log x) naively.
+    log_x = torch.tensor([[-40.0, 0.1, 0.2], [30.0, -0.1, 0.0]], requires_grad=True)
+    mask = torch.ones(2, 3)
+    for p in (-1.0, 1.0, 2.0, 0.0):
+        v = power_mean(log_x, mask, p)
+        v.sum().backward()
+        assert torch.isfinite(v).all() and torch.isfinite(log_x.grad).all()
+        log_x.grad = None
+    # p = -1 is dominated by the smallest entry: log(3 / sum(1/x)) ~ -40 + log 3
+    assert power_mean(log_x, mask, -1.0)[0].item() == pytest.approx(-40 + math.log(3), abs=1e-4)
+
+
+def test_p_tensor_on_host_per_row_mixed_branches():
+    g = torch.Generator().manual_seed(2)
+    log_x = torch.randn(4, 12, generator=g) * 0.3
+    mask = torch.ones(4, 12, dtype=torch.bool)
+    p = torch.tensor([0.5, 0.0, -2.0, 1e-5])
+    rows = power_mean(log_x, mask, p)
+    for i in range(4):
+        assert rows[i].item() == pytest.approx(power_mean(log_x[i : i + 1], mask[i : i + 1], p[i].item()).item(), abs=1e-7)
+
+
+# --------------------------------------------------------------------------- edge cases
+
+
+@pytest.mark.parametrize("rewards", [torch.zeros(4, 8), torch.ones(4, 8), torch.full((4, 8), 0.3)])
+@pytest.mark.parametrize("name", ["apmpo", "grpo", "dapo", "gmpo"])
+def test_all_equal_groups_give_zero_loss_no_nan(rewards, name):
+    cfg = LossConfig(name=name)
+    params = adaptive_params(rewards, cfg)
+    assert all(torch.isfinite(getattr(params, f)).all() for f in ("p", "eps_ada", "fss", "mu", "sigma"))
+    adv = group_advantages(rewards).flatten()
+    logp, old, _, mask = random_batch(32, 16, seed=5, dtype=torch.float32)
+    logp.requires_grad_(True)
+    loss, metrics = policy_loss(logp, old, adv, mask, cfg, params)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(logp.grad) == 0
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_all_zero_and_all_one_reward_params():
+    # All zero: mu = sigma = 0 -> FSS = 0, eps_ada = eps_min (tanh 0 = 0), p = 1.
+    zero = adaptive_params(torch.zeros(4, 8), LossConfig())
+    assert (zero.fss.item(), zero.eps_ada.item(), zero.p.item()) == (0.0, pytest.approx(0.2), 1.0)
+    # All one: sigma = 0 -> FSS = 1/delta = 1e6, eps_ada = eps_max, p = exp(-0.8).
+    one = adaptive_params(torch.ones(4, 8), LossConfig())
+    assert one.eps_ada.item() == pytest.approx(0.4) and one.p.item() == pytest.approx(math.exp(-0.8))
+
+
+def test_bad_shapes_and_empty_masks_are_rejected():
+    logp, old, adv, mask = random_batch(3, 5, seed=0, dtype=torch.float32)
+    cfg, params = LossConfig(), params_for(0.5, 0.3)
+    with pytest.raises(ValueError, match=r"old_logp has shape \(3, 4\)"):
+        policy_loss(logp, old[:, :4], adv, mask, cfg, params)
+    with pytest.raises(ValueError, match=r"advantages has shape \(2,\)"):
+        policy_loss(logp, old, adv[:2], mask, cfg, params)
+    with pytest.raises(ValueError, match=r"mask has shape"):
+        policy_loss(logp, old, adv, mask[:2], cfg, params)
+    with pytest.raises(ValueError, match=r"logp must be \[N, T\]"):
+        policy_loss(logp[0], old[0], adv, mask[0], cfg, params)
+    empty = mask.clone()
+    empty[1] = False
+    with pytest.raises(ValueError, match=r"rows without tokens: \[1\]"):
+        policy_loss(logp, old, adv, empty, cfg, params)
+    with pytest.raises(ValueError, match=r"params.p has shape \(2,\)"):
+        policy_loss(logp, old, adv, mask, cfg, params_for([0.5, 0.5], 0.3))
+    with pytest.raises(ValueError, match=r"rewards must be a tensor \[B, G\]"):
+        adaptive_params(torch.ones(8), cfg)
+
+
+@pytest.mark.parametrize("name", ["apmpo", "grpo", "dapo", "gmpo"])
+def test_bf16_inputs(name):
+    logp, old, adv, mask = random_batch(8, 32, seed=6, dtype=torch.float32)
+    logp16, old16 = logp.bfloat16(), old.bfloat16()
+    cfg, params = LossConfig(name=name), params_for(0.6, 0.3)
+    x16 = logp16.clone().requires_grad_(True)
+    loss16, _ = policy_loss(x16, old16, adv, mask, cfg, params)
+    loss16.backward()
+    assert loss16.dtype == torch.float32 and x16.grad.dtype == torch.bfloat16
+    # The same rounded inputs in fp32 give the same loss: the kernel upcasts before any arithmetic.
+    value32, grad32, _ = kernel_value_and_grad(logp16.float(), old16.float(), adv, mask, cfg, params)
+    assert loss16.item() == pytest.approx(value32.item(), rel=1e-6)
+    torch.testing.assert_close(x16.grad.double(), grad32.bfloat16().double())
+
+
+# --------------------------------------------------------------------------- micro-batch invariance
+
+
+@pytest.mark.parametrize("name", ["apmpo", "grpo", "dapo", "gmpo"])
+def test_micro_batches_with_global_normalisers_equal_whole_batch(name):
+    logp, old, adv, mask = random_batch(12, 17, seed=8, dtype=torch.float32)
+    ref = torch.log(torch.rand(12, 17, generator=torch.Generator().manual_seed(9)))
+    cfg = LossConfig(name=name, kl_beta=0.1, stats_scope="group")
+    params = adaptive_params(torch.rand(3, 4), cfg).per_sequence(torch.arange(3).repeat_interleave(4))
+
+    whole = logp.clone().requires_grad_(True)
+    loss, _ = policy_loss(whole, old, adv, mask, cfg, params, ref_logp=ref)
+    loss.backward()
+
+    split = logp.clone().requires_grad_(True)
+    total = 0.0
+    for rows in (torch.arange(0, 5), torch.arange(5, 6), torch.arange(6, 12)):
+        part, _ = policy_loss(
+            split[rows], old[rows], adv[rows], mask[rows], cfg, params.per_sequence(rows), ref_logp=ref[rows],
+            num_seqs=12, num_tokens=mask.sum(),
+        )
+        part.backward()
+        total += part.item()
+    assert total == pytest.approx(loss.item(), rel=1e-5)
+    torch.testing.assert_close(split.grad, whole.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_metrics_are_detached_tensors():
+    logp, old, adv, mask = random_batch(4, 6, seed=1, dtype=torch.float32)
+    x = logp.clone().requires_grad_(True)
+    _, metrics = policy_loss(x, old, adv, mask, LossConfig(), params_for(0.5, 0.3), ref_logp=old)
+    expected = {"loss/policy", "loss/kl", "loss/clip_frac_upper", "loss/clip_frac_lower", "policy/ratio_mean",
+                "policy/approx_kl", "apmpo/p", "apmpo/eps_ada", "apmpo/fss"}
+    assert expected <= metrics.keys()
+    assert all(isinstance(v, torch.Tensor) and not v.requires_grad and v.dim() == 0 for v in metrics.values())
+
+
+def test_small_p_series_is_exact_to_third_order_in_float64():
+    # In fp32 the p^2 k3/6 term is below resolution at |p| < SMALL_P; in fp64 (kept as fp64) it is visible:
+    # skewed log x (d up to ~3) gives p^2 k3 / 6 ~ 1e-6 at p = 9e-4, truncation error p^3 k4 / 24 ~ 1e-9.
+    log_x = torch.tensor([[-3.0, 0.0, 0.1, 0.2, 0.3]], dtype=torch.float64)
+    mask = torch.ones_like(log_x, dtype=torch.bool)
+    for p in (0.9 * SMALL_P, -0.9 * SMALL_P):
+        got = power_mean(log_x, mask, p)
+        assert got.dtype == torch.float64
+        want = torch.log(torch.exp(p * log_x).mean()) / p
+        assert got.item() == pytest.approx(want.item(), abs=1e-8)
