@@ -166,32 +166,68 @@ def adaptive_params(rewards: Tensor, cfg: LossConfig) -> AdaptiveParams:
 # --------------------------------------------------------------------------- per-token objective
 
 
-def clipped_log_ratio(log_ratio: Tensor, advantages: Tensor, log_lo: Tensor | float, log_hi: Tensor | float) -> Tensor:
-    """log of the effective ratio rho' with min(r*A, clip(r, lo, hi)*A) = A*rho' (PPO's pessimistic clip).
+def clip_bounds(advantages: Tensor, log_lo: Tensor | float, log_hi: Tensor | float) -> tuple[Tensor, Tensor]:
+    """Per-row bounds [N, 1] that turn one clamp into PPO's pessimistic, sign-aware clip.
 
-    A > 0: log rho' = min(l, log_hi); A < 0: log rho' = max(l, log_lo); A = 0: 0 (the row contributes
-    nothing, and no gradient). Clipped tokens get zero gradient, exactly as in PPO. Bounds broadcast
-    against [N, 1]. advantages: [N].
+    min(r A, clip(r, lo, hi) A) = A * rho' with log rho' = min(l, log_hi) for A > 0 and max(l, log_lo) for A < 0.
+    A = 0 rows are pinned to 0 (they contribute nothing and no gradient). log_lo/log_hi: float, 0-d or [N, 1].
     """
     a = advantages.unsqueeze(-1)
-    upper = log_ratio.clamp(max=log_hi) if isinstance(log_hi, float) else torch.minimum(log_ratio, log_hi)
-    lower = log_ratio.clamp(min=log_lo) if isinstance(log_lo, float) else torch.maximum(log_ratio, log_lo)
-    return torch.where(a > 0, upper, torch.where(a < 0, lower, torch.zeros_like(log_ratio)))
+    lo = torch.where(a > 0, -math.inf, torch.where(a < 0, torch.as_tensor(log_lo, dtype=a.dtype, device=a.device), 0.0))
+    hi = torch.where(a < 0, math.inf, torch.where(a > 0, torch.as_tensor(log_hi, dtype=a.dtype, device=a.device), 0.0))
+    return lo, hi
+
+
+def clipped_log_ratio(log_ratio: Tensor, advantages: Tensor, log_lo: Tensor | float, log_hi: Tensor | float) -> Tensor:
+    """log rho', the log of the effective ratio after the sign-aware clip (see `clip_bounds`). Clipped tokens
+    get zero gradient, exactly as PPO clipping does."""
+    lo, hi = clip_bounds(advantages, log_lo, log_hi)
+    return log_ratio.clamp(lo, hi)
 
 
 # --------------------------------------------------------------------------- tokens -> sequence value
+
+
+def masked_row_sum(x: Tensor, maskf: Tensor) -> Tensor:
+    """sum_t x[n, t] * mask[n, t] as one fused reduction, without materialising the product."""
+    return torch.einsum("nt,nt->n", x, maskf)
+
+
+class _LogPowerMeanExact(torch.autograd.Function):
+    """log M_p for |p| >= SMALL_P: (s + log1p(mean_t expm1(p l_t - s))) / p, s = max_t p l_t.
+
+    The shift s prevents overflow for any sign and size of p; expm1/log1p keep the relative precision of
+    the small deviations, so the division by p does not amplify rounding. The backward is the closed form
+    d log M_p / d l_t = softmax_t(p l_t) over the masked tokens (Appendix H's weights), reusing the forward's
+    exponentials in place instead of storing autograd's intermediates.
+    """
+
+    @staticmethod
+    def forward(ctx, log_x, maskf, pad, p):
+        u = log_x * p  # p: 0-d or [N, 1]
+        u.masked_fill_(pad, -math.inf)
+        s = u.amax(dim=-1, keepdim=True)
+        e = u.sub_(s).expm1_()  # -1 exactly on padding
+        n = maskf.sum(-1, keepdim=True)
+        mean_expm1 = masked_row_sum(e, maskf).unsqueeze(-1) / n
+        log_m = (s + torch.log1p(mean_expm1)) / p
+        ctx.save_for_backward(e, n * (1 + mean_expm1))  # e + 1 = exp(p l - s), 0 on padding
+        return log_m.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_log_m):
+        e, denominator = ctx.saved_tensors
+        weights = (e + 1).mul_(grad_log_m.unsqueeze(-1) / denominator)
+        return weights, None, None, None
 
 
 def power_mean(log_x: Tensor, mask: Tensor, p: Tensor | float) -> Tensor:
     """log M_p(x) per row, with M_p(x) = ((1/n) sum_t x_t^p)^(1/p) over the masked entries, from log x.
 
     log_x, mask: [N, T]; p: float, 0-d or [N]. Returns [N] in fp32 (fp64 for fp64 input).
-
-    With m = mean_t log x and d_t = log x_t - m, log M_p = m + log(mean_t exp(p d_t)) / p. The log-mean-exp is
-    evaluated as s + log1p(mean_t expm1(p d_t - s)), s = max_t p d_t: the shift prevents overflow for any sign
-    and size of p, and expm1/log1p keep the relative precision of the small deviations, so the division by p
-    does not amplify rounding. For |p| < SMALL_P the cumulant series m + p var/2 + p^2 k3/6 is used instead
-    (exact as p -> 0, the geometric mean); value and gradient are continuous across the threshold.
+    Any real p works, negative ones included. For |p| < SMALL_P the cumulant series
+    m + p var/2 + p^2 k3/6 (m, var, k3: mean, variance, third central moment of log x) is used instead; it is
+    exact as p -> 0 (the geometric mean), and value and gradient are continuous across the threshold.
     """
     log_x = _upcast(log_x)
     maskf = mask.to(log_x.dtype)
@@ -205,23 +241,21 @@ def power_mean(log_x: Tensor, mask: Tensor, p: Tensor | float) -> Tensor:
     p, small = p.to(log_x.device), small.to(log_x.device)
     if p.dim() == 1:  # one p per row
         p, small = p.unsqueeze(-1), small.unsqueeze(-1)
-    n = maskf.sum(dim=-1, keepdim=True)
-    m = (log_x * maskf).sum(dim=-1, keepdim=True) / n
-    d = (log_x - m) * maskf  # 0 on padding
 
-    out = m.new_zeros(m.shape)
+    out = None
     if need_exact:
-        p_safe = torch.where(small, torch.full_like(p, SMALL_P), p)
-        u = p_safe * d
-        s = u.amax(dim=-1, keepdim=True).detach()  # >= 0 as mean(u) = 0; the value does not depend on s
-        log_mean_exp = s + torch.log1p((torch.expm1(u - s) * maskf).sum(dim=-1, keepdim=True) / n)
-        out = torch.where(small, out, m + log_mean_exp / p_safe)
+        p_safe = torch.where(small, SMALL_P, p)
+        out = _LogPowerMeanExact.apply(log_x, maskf, maskf == 0, p_safe)
     if need_series:
+        n = maskf.sum(-1, keepdim=True)
+        m = masked_row_sum(log_x, maskf).unsqueeze(-1) / n
+        d = (log_x - m) * maskf
         d2 = d * d
-        var = d2.sum(dim=-1, keepdim=True) / n
-        k3 = (d2 * d).sum(dim=-1, keepdim=True) / n
-        out = torch.where(small, m + p * var / 2 + p * p * k3 / 6, out)
-    return out.squeeze(-1)
+        var = d2.sum(-1, keepdim=True) / n
+        k3 = (d2 * d).sum(-1, keepdim=True) / n
+        series = (m + p * var / 2 + p * p * k3 / 6).squeeze(-1)
+        out = series if out is None else torch.where(small.squeeze(-1), series, out)
+    return out
 
 
 # --------------------------------------------------------------------------- reductions
@@ -238,44 +272,39 @@ def _reduce(values: Tensor, normalizer: Tensor | float | None, default: Tensor |
 LossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
 
 
+def _clip(logp, old_logp, advantages, mask, log_lo, log_hi):
+    """log-ratio l = log pi_theta - log pi_old (at least fp32), log rho' after the sign-aware clip, the float
+    mask, and the clip metrics."""
+    log_ratio = _upcast(logp) - _upcast(old_logp)
+    lo, hi = clip_bounds(advantages, log_lo, log_hi)
+    log_rho = log_ratio.clamp(lo, hi)
+    maskf = mask.to(log_ratio.dtype)
+    return log_ratio, log_rho, maskf, _clip_metrics(log_ratio, advantages, maskf, lo, hi)
+
+
 def _fixed_log_bounds(cfg: LossConfig) -> tuple[float, float]:
     return math.log1p(-cfg.eps_low), math.log1p(cfg.eps_high)
 
 
-def _clipped(logp, old_logp, advantages, log_lo, log_hi) -> tuple[Tensor, Tensor]:
-    """fp32 log-ratio l = log pi_theta - log pi_old, and log rho' after the sign-aware clip."""
-    log_ratio = _upcast(logp) - _upcast(old_logp)
-    return log_ratio, clipped_log_ratio(log_ratio, advantages, log_lo, log_hi)
-
-
 def grpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
     """GRPO: min(r A, clip(r, 1-eps_low, 1+eps_high) A), mean over each sequence's tokens, then over sequences."""
-    log_lo, log_hi = _fixed_log_bounds(cfg)
-    log_ratio, log_rho = _clipped(logp, old_logp, advantages, log_lo, log_hi)
-    maskf = mask.to(log_rho.dtype)
-    per_seq = (advantages.unsqueeze(-1) * torch.exp(log_rho) * maskf).sum(-1) / maskf.sum(-1)
-    loss = -_reduce(per_seq, num_seqs, per_seq.numel())
-    return loss, _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params)
+    _, log_rho, maskf, metrics = _clip(logp, old_logp, advantages, mask, *_fixed_log_bounds(cfg))
+    per_seq = advantages * masked_row_sum(torch.exp(log_rho), maskf) / maskf.sum(-1)
+    return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
 
 
 def dapo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
     """DAPO: the same clipped token objective (clip-higher 0.28), averaged over all tokens of the batch."""
-    log_lo, log_hi = _fixed_log_bounds(cfg)
-    log_ratio, log_rho = _clipped(logp, old_logp, advantages, log_lo, log_hi)
-    maskf = mask.to(log_rho.dtype)
-    token_obj = advantages.unsqueeze(-1) * torch.exp(log_rho) * maskf
-    loss = -_reduce(token_obj, num_tokens, maskf.sum())
-    return loss, _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params)
+    _, log_rho, maskf, metrics = _clip(logp, old_logp, advantages, mask, *_fixed_log_bounds(cfg))
+    token_sums = advantages * masked_row_sum(torch.exp(log_rho), maskf)
+    return -_reduce(token_sums, num_tokens, maskf.sum()), metrics
 
 
 def gmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
     """GMPO: log-ratio clipped sign-aware to [-c, c], sequence ratio exp(mean_t), objective A * ratio."""
-    log_lo, log_hi = -cfg.gmpo_clip, cfg.gmpo_clip
-    log_ratio, log_rho = _clipped(logp, old_logp, advantages, log_lo, log_hi)
-    maskf = mask.to(log_rho.dtype)
-    per_seq = advantages * torch.exp((log_rho * maskf).sum(-1) / maskf.sum(-1))
-    loss = -_reduce(per_seq, num_seqs, per_seq.numel())
-    return loss, _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params)
+    _, log_rho, maskf, metrics = _clip(logp, old_logp, advantages, mask, -cfg.gmpo_clip, cfg.gmpo_clip)
+    per_seq = advantages * torch.exp(masked_row_sum(log_rho, maskf) / maskf.sum(-1))
+    return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
 
 
 def apmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
@@ -285,13 +314,12 @@ def apmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, 
     """
     eps_ada = params.eps_ada.to(device=logp.device, dtype=torch.promote_types(logp.dtype, torch.float32))
     eps_ada = eps_ada.unsqueeze(-1) if eps_ada.dim() == 1 else eps_ada
-    log_hi = torch.log1p(eps_ada)
     log_lo = torch.log1p(-eps_ada) if cfg.clip_mode == "symmetric" else math.log1p(-cfg.eps_low)
-    log_ratio, log_rho = _clipped(logp, old_logp, advantages, log_lo, log_hi)
-    maskf = mask.to(log_rho.dtype)
+    _, log_rho, maskf, metrics = _clip(logp, old_logp, advantages, mask, log_lo, torch.log1p(eps_ada))
     per_seq = advantages * torch.exp(power_mean(log_rho, maskf, params.p))
     loss = -_reduce(per_seq, num_seqs, per_seq.numel())
-    return loss, _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params)
+    metrics.update({"apmpo/p": params.p, "apmpo/eps_ada": params.eps_ada, "apmpo/fss": params.fss})
+    return loss, metrics
 
 
 POLICY_LOSSES: dict[str, LossFn] = {"apmpo": apmpo_loss, "grpo": grpo_loss, "dapo": dapo_loss, "gmpo": gmpo_loss}
@@ -325,8 +353,12 @@ def policy_loss(
     if ref_logp is not None and cfg.kl_beta > 0:
         kl = kl_penalty(logp, ref_logp, mask, cfg, num_seqs=num_seqs)
         loss = loss + cfg.kl_beta * kl
-        metrics["loss/kl"] = kl.detach()
-    return loss, metrics
+        metrics["loss/kl"] = kl
+    metrics["loss/policy"] = loss
+    metrics.setdefault("apmpo/p", params.p)
+    metrics.setdefault("apmpo/eps_ada", params.eps_ada)
+    metrics.setdefault("apmpo/fss", params.fss)
+    return loss, {key: value.detach().float().mean() for key, value in metrics.items()}
 
 
 def kl_penalty(
@@ -344,7 +376,7 @@ def kl_penalty(
     else:
         per_token = torch.expm1(log_ref_ratio) - log_ref_ratio
     maskf = mask.to(per_token.dtype)
-    per_seq = (per_token * maskf).sum(-1) / maskf.sum(-1)
+    per_seq = masked_row_sum(per_token, maskf) / maskf.sum(-1)
     return _reduce(per_seq, num_seqs, per_seq.numel())
 
 
@@ -352,23 +384,20 @@ def kl_penalty(
 
 
 @torch.no_grad()
-def _metrics(loss, log_ratio, advantages, maskf, log_lo, log_hi, params) -> dict[str, Tensor]:
-    """Token means over this call's tokens, all detached; no host sync."""
+def _clip_metrics(log_ratio, advantages, maskf, lo, hi) -> dict[str, Tensor]:
+    """Token means over this call's tokens; no host sync. Zero-advantage rows are never counted as clipped."""
     n_tokens = maskf.sum()
     a = advantages.unsqueeze(-1)
-    upper = (a > 0) & (log_ratio > log_hi)  # gradient cut by the upper clip
-    lower = (a < 0) & (log_ratio < log_lo)  # gradient cut by the lower clip
-    ratio = torch.exp(log_ratio)
+    upper = torch.where(a == 0, math.inf, hi)  # A > 0 rows: gradient cut above hi
+    lower = torch.where(a == 0, -math.inf, lo)  # A < 0 rows: gradient cut below lo
+    mean_log_ratio = masked_row_sum(log_ratio, maskf).sum() / n_tokens
+    mean_ratio = masked_row_sum(torch.exp(log_ratio), maskf).sum() / n_tokens
     return {
-        "loss/policy": loss.detach(),
-        "loss/clip_frac_upper": (upper * maskf).sum() / n_tokens,
-        "loss/clip_frac_lower": (lower * maskf).sum() / n_tokens,
-        "policy/ratio_mean": (ratio * maskf).sum() / n_tokens,
+        "loss/clip_frac_upper": masked_row_sum((log_ratio > upper).to(maskf.dtype), maskf).sum() / n_tokens,
+        "loss/clip_frac_lower": masked_row_sum((log_ratio < lower).to(maskf.dtype), maskf).sum() / n_tokens,
+        "policy/ratio_mean": mean_ratio,
         # KL(pi_old || pi_theta) by the k3 estimator on the rollout's tokens: E_old[r - 1 - log r].
-        "policy/approx_kl": ((ratio - 1 - log_ratio) * maskf).sum() / n_tokens,
-        "apmpo/p": params.p.float().mean(),
-        "apmpo/eps_ada": params.eps_ada.float().mean(),
-        "apmpo/fss": params.fss.float().mean(),
+        "policy/approx_kl": mean_ratio - 1 - mean_log_ratio,
     }
 
 
