@@ -1,0 +1,270 @@
+"""Typed run configuration: YAML -> nested dataclasses, one per concern, with `--set a.b=v` overrides.
+
+    cfg = load_config("configs/quickstart.yaml", overrides=["loss.name=grpo", "train.steps=20"])
+
+- A YAML file may name `base: other.yaml` (or a list of them, relative to itself); it is deep-merged on top.
+- Unknown keys are rejected with the file and the nearest valid key; values are checked against each field's
+  type (ints are accepted for floats, and numbers in strings for numeric fields, since YAML reads `1e-6` as a
+  string). `--set` values are parsed as YAML, then checked the same way.
+- Derived values live in one place: the properties under "derived" in `Config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from apmpo.loss import LossConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used, with the file and key at fault."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"  # HF hub id or local directory; "tiny" builds the package's tiny Qwen2 (CPU quickstart)
+    dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    train: str = "math12k"  # built-in dataset name, hub id, or local jsonl/json/parquet file
+    task: Literal["math", "sql", "choice", "copy"] = "math"  # prompt format
+    reward: str = "math"  # reward name, or "pkg.module:function" for your own
+    system_prompt: str | None = None  # None: the task's default
+    max_prompt_tokens: int = 1024  # longer prompts are skipped, and counted
+    db_root: str | None = None  # SQL: directory holding <db_id>/<db_id>.sqlite
+    seed: int = 0  # data order; resumable
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 512  # B
+    group_size: int = 8  # G samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 1024
+    url: str | None = None  # use a running generation server instead of starting one
+    devices: str | None = None  # CUDA_VISIBLE_DEVICES of the server it starts, e.g. "3"; None: CPU or shared GPU
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    max_model_len: int = 4096
+    weight_sync: Literal["auto", "gloo", "nccl", "cuda_ipc"] = "auto"
+    bucket_mb: int = 256  # weight-sync bucket size
+    dynamic_sampling: bool = False  # DAPO: drop all-equal groups, sample more until the batch is full
+    max_sampling_rounds: int = 4  # cap on dynamic-sampling rounds per step
+    overlong_buffer: int = 0  # DAPO overlong shaping: penalise the last N tokens before max_tokens (0: off)
+    overlong_penalty: float = 1.0  # the penalty at max_tokens, linear over the buffer
+    mask_truncated: bool = False  # DAPO: truncated completions get no loss
+    reward_workers: int = 2
+    reward_timeout_s: float = 10.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warm-up
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    mini_batch_size: int = 128  # prompts per optimiser step; a rollout batch gives B / mini_batch_size steps
+    epochs: int = 1  # passes over each rollout batch
+    micro_batch_tokens: int = 16384  # token budget of one forward/backward per rank
+    logprob_chunk_tokens: int = 4096  # positions per chunk of the fp32 log-softmax
+    tis_cap: float | None = None  # truncated importance sampling against the engine's log-probs (e.g. 2.0)
+    zero_stage: int = 2
+    seed: int = 0
+    resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path
+
+
+@dataclass
+class LoggingConfig:
+    run_name: str = "run"
+    output_dir: str = "runs"
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "apmpo"
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 50  # steps; 0 disables
+    keep_last: int = 2  # older checkpoints are deleted
+    export_hf: bool = True  # write hf/ (safetensors + tokenizer) in each checkpoint
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    # ---------------------------------------------------------------- derived (the only place)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.output_dir) / self.logging.run_name
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.group_size
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        return self.rollout.prompts_per_step // self.train.mini_batch_size * self.train.epochs
+
+    def validate(self) -> "Config":
+        """Cross-field checks; field types were checked on load."""
+        r, t = self.rollout, self.train
+        positive = {"rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
+                    "rollout.max_tokens": r.max_tokens, "train.steps": t.steps, "train.epochs": t.epochs,
+                    "train.mini_batch_size": t.mini_batch_size, "train.micro_batch_tokens": t.micro_batch_tokens}
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
+        if r.prompts_per_step % t.mini_batch_size:
+            raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
+                              f"train.mini_batch_size ({t.mini_batch_size})")
+        if t.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"train.zero_stage must be 0, 1 or 2, got {t.zero_stage}")
+        if r.group_size < 2:
+            raise ConfigError("rollout.group_size must be >= 2: group advantages need at least two samples")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["derived"] = {"run_dir": str(self.run_dir), "samples_per_step": self.samples_per_step,
+                          "optimizer_steps_per_rollout": self.optimizer_steps_per_rollout}
+        return out
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Read a YAML file (with its `base:` files), apply `a.b=v` overrides, type-check, validate."""
+    data: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    source = str(path) if path is not None else "<defaults>"
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. loss.name=grpo")
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    config = _build(Config, data, prefix="", source=source)
+    return config.validate()
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: circular base: {' -> '.join(map(str, seen))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    bases = data.pop("base", [])
+    merged: dict[str, Any] = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        merged = _deep_merge(merged, _read_yaml(path.parent / base, seen + (path.resolve(),)))
+    return _deep_merge(merged, data)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _build(cls, data: Any, prefix: str, source: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value if value is not None else {}, f"{prefix}{key}.", source)
+        else:
+            kwargs[key] = _check_type(value, hint, f"{prefix}{key}", source)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # e.g. LossConfig's own checks
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _check_type(value: Any, hint: Any, key: str, source: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, arg, key, source)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{source}: {key} must be one of {list(args)}, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key} expects bool (true/false), got {type(value).__name__} {value!r}")
+        return value
+    if hint in (int, float):
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 as a string
+            try:
+                value = hint(value) if hint is float else int(value, 0)
+            except ValueError:
+                pass
+        ok = isinstance(value, int) if hint is int else isinstance(value, (int, float))
+        if not ok or isinstance(value, bool):
+            raise ConfigError(f"{source}: {key} expects {hint.__name__}, got {type(value).__name__} {value!r}")
+        return hint(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: {key} expects str, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{source}: {key}: unsupported field type {hint}")  # a bug in a dataclass above

@@ -1,0 +1,81 @@
+"""Typed configuration: every shipped YAML loads; bad keys, types and files fail clearly."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from apmpo.config import Config, ConfigError, load_config, save_config
+from apmpo.loss import LossConfig
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert CONFIGS
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config) and isinstance(cfg.loss, LossConfig)
+
+
+def test_overrides_are_type_checked(tmp_path):
+    cfg = load_config(None, ["loss.name=grpo", "optim.lr=3e-6", "rollout.group_size=4", "train.tis_cap=2",
+                             "rollout.url=http://127.0.0.1:8000", "loss.fac=false"])
+    assert (cfg.loss.name, cfg.optim.lr, cfg.rollout.group_size, cfg.train.tis_cap) == ("grpo", 3e-6, 4, 2.0)
+    assert cfg.rollout.url == "http://127.0.0.1:8000" and cfg.loss.fac is False
+    assert cfg.loss.eps_high == 0.2  # paper default resolved for grpo
+    assert load_config(None, ["loss.name=dapo"]).loss.eps_high == 0.28
+    with pytest.raises(ConfigError, match=r"rollout.group_size expects int, got str 'many'"):
+        load_config(None, ["rollout.group_size=many"])
+    with pytest.raises(ConfigError, match=r"loss.fac expects bool"):
+        load_config(None, ["loss.fac=1"])
+    with pytest.raises(ConfigError, match=r"loss.name must be one of \['apmpo', 'grpo', 'dapo', 'gmpo'\]"):
+        load_config(None, ["loss.name=ppo"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, ["loss.name"])
+
+
+def test_unknown_key_names_file_and_nearest_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  temprature: 0.7\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'rollout.temprature'; did you mean 'rollout.temperature'\?"):
+        load_config(bad)
+    bad.write_text("optimiser:\n  lr: 1.0\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'optimiser'; did you mean 'optim'\?"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"unknown key 'loss.gama'; did you mean 'loss.gamma'\?"):
+        load_config(None, ["loss.gama=0.5"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("loss: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
+        load_config(broken)
+
+
+def test_base_files_merge_and_cross_field_checks(tmp_path):
+    (tmp_path / "base.yaml").write_text("loss:\n  name: apmpo\n  gamma: 0.4\nrollout:\n  prompts_per_step: 64\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nloss:\n  gamma: 0.6\ntrain:\n  mini_batch_size: 16\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.loss.name, cfg.loss.gamma, cfg.rollout.prompts_per_step) == ("apmpo", 0.6, 64)
+    assert cfg.optimizer_steps_per_rollout == 4 and cfg.samples_per_step == 512
+    with pytest.raises(ConfigError, match=r"multiple of train.mini_batch_size \(48\)"):
+        load_config(tmp_path / "child.yaml", ["train.mini_batch_size=48"])
+    with pytest.raises(ConfigError, match="eps_min <= eps_max"):
+        load_config(None, ["loss.eps_min=0.5", "loss.eps_max=0.3"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["loss.name=gmpo", "logging.run_name=x"])
+    save_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert "run_dir: runs/x" in text
+    data = yaml.safe_load(text)
+    data.pop("derived")
+    (tmp_path / "again.yaml").write_text(yaml.safe_dump(data))
+    assert load_config(tmp_path / "again.yaml") == cfg
