@@ -12,8 +12,8 @@ unreachable raises `ServerUnavailable` naming its URL.
 from __future__ import annotations
 
 import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 from urllib.parse import urlparse
@@ -142,14 +142,23 @@ class GenerationClient:
         store = WeightGroup.create_master(transport, host, world_size, self.sync_timeout_s)
         body = {"transport": transport, "host": host, "port": store.port, "world_size": world_size,
                 "timeout_s": self.sync_timeout_s}
-        # The workers join inside the /weights/init call while we join here: both block until all ranks meet.
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(self._request, "POST", "/weights/init", json=body,
-                                  timeout_s=self.sync_timeout_s + 60, retries=0)
+        # The workers join inside the /weights/init call while we join in a thread: both block until all ranks
+        # meet. The thread is a daemon so that a failed init cannot keep the process alive.
+        joined: list[WeightGroup | BaseException] = []
+
+        def join() -> None:
             try:
-                group = WeightGroup(transport, host, store.port, 0, world_size, self.sync_timeout_s, store=store)
-            finally:
-                pending.result()
+                joined.append(WeightGroup(transport, host, store.port, 0, world_size, self.sync_timeout_s, store=store))
+            except BaseException as error:  # noqa: BLE001 (re-raised below)
+                joined.append(error)
+
+        thread = threading.Thread(target=join, name="weight-group-join", daemon=True)
+        thread.start()
+        self._request("POST", "/weights/init", json=body, timeout_s=self.sync_timeout_s + 60, retries=0)
+        thread.join(timeout=self.sync_timeout_s)
+        if not joined or isinstance(joined[0], BaseException):
+            raise ServerError(f"could not join the weight group of {self.url}: {joined[0] if joined else 'timeout'}")
+        group = joined[0]
         self._group = group
         return group
 

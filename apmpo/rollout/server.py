@@ -149,7 +149,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     from apmpo.rollout import vllm_compat as compat
 
     engine = compat.engine_info(llm)
-    device_uuids = compat.collective_rpc(llm, "apmpo_device_uuid", timeout_s=60)
+    device_uuids = compat.collective_rpc(llm, "apmpo_device_uuid", rpc_timeout_s=60)
     engine_lock = threading.Lock()
     state: dict[str, Any] = {"version": 0, "update": None}  # update: Future of the running weight update
 
@@ -200,7 +200,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         if req.world_size != engine["num_workers"] + 1:
             raise HTTPException(400, f"world_size must be 1 + {engine['num_workers']} engine workers")
         with engine_lock:  # blocks until the learner joins the group too, or the timeout
-            compat.collective_rpc(llm, "apmpo_init_weight_group", timeout_s=req.timeout_s + 10,
+            compat.collective_rpc(llm, "apmpo_init_weight_group", rpc_timeout_s=req.timeout_s + 10,
                                   **req.model_dump())
         return {"status": "ok"}
 
@@ -208,7 +208,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         with engine_lock:
             locked.set()
             try:
-                compat.collective_rpc(llm, "apmpo_receive_weights", timeout_s=limits.update_timeout_s,
+                compat.collective_rpc(llm, "apmpo_receive_weights", rpc_timeout_s=limits.update_timeout_s,
                                       buckets=buckets)
             finally:
                 # Even a failed load may have changed some layers: stale cached KV must not survive either way.

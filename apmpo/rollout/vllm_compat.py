@@ -112,8 +112,8 @@ def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.Sampling
     ]
 
 
-def collective_rpc(llm: vllm.LLM, method: str, timeout_s: float, **kwargs: Any) -> list[Any]:
-    return llm.collective_rpc(method, timeout=timeout_s, kwargs=kwargs)
+def collective_rpc(llm: vllm.LLM, method: str, rpc_timeout_s: float, **kwargs: Any) -> list[Any]:
+    return llm.collective_rpc(method, timeout=rpc_timeout_s, kwargs=kwargs)
 
 
 def reset_prefix_cache(llm: vllm.LLM) -> bool:
