@@ -1,0 +1,43 @@
+"""Verifiable rewards: pure functions `fn(completion: str, sample: dict) -> float` (1.0 or 0.0).
+
+    from apmpo.rewards import math_reward, sql_reward, choice_reward, get_reward, score_batch
+
+| name     | reads from `sample`                               | rule                                      |
+|----------|---------------------------------------------------|-------------------------------------------|
+| "math"   | `answer` (str or number)                          | last \\boxed{} vs gold, math-verify       |
+| "sql"    | `answer` (gold SQL), `db_path`, `metric`          | execution accuracy, Spider or BIRD rule   |
+| "choice" | `answer` (letter, index or text), `choices`       | picked option vs gold option              |
+
+A custom reward is named `"pkg.module:function"`. Training and evaluation both score through
+`score_batch` / `RewardPool` (apmpo/rewards/batch.py): worker processes, a timeout per item, and
+failures scored 0 and counted. This package does not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from apmpo.rewards.batch import RewardPool, score_batch
+from apmpo.rewards.choice import choice_reward
+from apmpo.rewards.maths import math_reward
+from apmpo.rewards.sql import sql_reward
+
+RewardFn = Callable[[str, dict], float]
+
+REWARDS: dict[str, RewardFn] = {"math": math_reward, "sql": sql_reward, "choice": choice_reward}
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward registered as `name`, or the function at `"pkg.module:function"`."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in name:
+        raise KeyError(f"unknown reward {name!r}; use one of {sorted(REWARDS)} or 'pkg.module:function'")
+    module_name, _, attr = name.partition(":")
+    fn = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(fn):
+        raise TypeError(f"{name!r} does not name a function")
+    return fn
+
+
+__all__ = ["REWARDS", "RewardPool", "choice_reward", "get_reward", "math_reward", "score_batch", "sql_reward"]
