@@ -29,15 +29,15 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"  # HF hub id or local directory; "tiny" builds the package's tiny Qwen2 (CPU quickstart)
+    path: str = "Qwen/Qwen2.5-Math-1.5B-Instruct"  # HF hub id or local directory; "quickstart": the CPU quickstart's
     dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
     gradient_checkpointing: bool = False
 
 
 @dataclass
 class DataConfig:
-    train: str = "math12k"  # built-in dataset name, hub id, or local jsonl/json/parquet file
-    task: Literal["math", "sql", "choice", "copy"] = "math"  # prompt format
+    train: str = "math12k"  # built-in dataset name ("quickstart" too), hub id, or local jsonl/json/parquet file
+    task: Literal["math", "sql", "choice"] = "math"  # prompt format
     reward: str = "math"  # reward name, or "pkg.module:function" for your own
     system_prompt: str | None = None  # None: the task's default
     max_prompt_tokens: int = 1024  # longer prompts are skipped, and counted

@@ -1,0 +1,132 @@
+"""From a rollout batch to what each rank feeds the model: mini-batches, rank shards, micro-batches.
+
+Every rank receives the whole rollout batch from rank 0 and computes the same plan from it, so the plan
+needs no communication:
+
+1. mini-batches: the step's prompts (groups), permuted with a seed, split into optimiser steps;
+2. rank shards: each mini-batch's sequences dealt to the data-parallel ranks, balanced by token count
+   (longest first, to the rank with the fewest tokens so far);
+3. micro-batches: each shard cut by a token budget (padded length x rows), and every rank gets the same number
+   of micro-batches per optimiser step, because ZeRO's gradient reduction is collective: a rank with fewer
+   sequences gets empty micro-batches, run as zero-weight dummies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of one prompt."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    engine_logprobs: list[float]  # the generation engine's log-prob of each completion token
+    finish_reason: str  # "stop" | "length"
+    group: int  # index of its prompt in the step's batch
+    reward: float = 0.0
+    advantage: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class MicroBatch:
+    """Padded tensors of a few rollouts. Shapes: [n, L], L = longest prompt + completion in it."""
+
+    indices: list[int]  # rollout indices in the step's batch
+    input_ids: Tensor  # prompt then completion, right-padded
+    attention_mask: Tensor  # 1 on real tokens
+    loss_mask: Tensor  # True at completion tokens: the positions scored and trained
+    advantages: Tensor  # [n]
+    weight: float = 1.0  # 0 for the dummy micro-batches that keep ranks in step
+    old_logp: Tensor | None = None  # [n, L] filled by the learner before the first update
+    ref_logp: Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+
+def mini_batches(num_groups: int, num_steps: int, seed: int) -> list[list[int]]:
+    """The step's groups in a seeded random order, split into `num_steps` nearly equal optimiser steps."""
+    order = torch.randperm(num_groups, generator=torch.Generator().manual_seed(seed)).tolist()
+    num_steps = min(num_steps, num_groups)
+    return [chunk.tolist() for chunk in torch.tensor(order).tensor_split(num_steps)]
+
+
+def shard_by_tokens(indices: list[int], lengths: list[int], world_size: int) -> list[list[int]]:
+    """Deal sequences to ranks so each gets about the same number of tokens (greedy, longest first)."""
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for i in sorted(indices, key=lambda i: -lengths[i]):
+        rank = min(range(world_size), key=lambda r: (loads[r], len(shards[r])))
+        shards[rank].append(i)
+        loads[rank] += lengths[i]
+    return shards
+
+
+def split_by_budget(indices: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Cut a shard into micro-batches whose padded size (rows x longest row) stays within the budget.
+    A single sequence longer than the budget gets a micro-batch of its own."""
+    micro, current, longest = [], [], 0
+    for i in sorted(indices, key=lambda i: lengths[i]):  # similar lengths together: little padding
+        new_longest = max(longest, lengths[i])
+        if current and new_longest * (len(current) + 1) > token_budget:
+            micro.append(current)
+            current, new_longest = [], lengths[i]
+        current.append(i)
+        longest = new_longest
+    if current:
+        micro.append(current)
+    return micro
+
+
+def equalize(micro: list[list[int]], count: int) -> list[list[int]]:
+    """Split the largest micro-batches until there are `count`; pad with empty ones (zero-weight dummies)."""
+    micro = [list(m) for m in micro]
+    while len(micro) < count:
+        largest = max(range(len(micro)), key=lambda k: len(micro[k]), default=None)
+        if largest is None or len(micro[largest]) < 2:
+            micro.append([])
+            continue
+        m = micro.pop(largest)
+        micro += [m[: len(m) // 2], m[len(m) // 2 :]]
+    return micro
+
+
+def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_budget: int, seed: int
+              ) -> list[list[list[list[int]]]]:
+    """plan[step][rank] = that rank's micro-batches (lists of rollout indices) for each optimiser step."""
+    lengths = [r.num_tokens for r in rollouts]
+    by_group: dict[int, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        by_group.setdefault(r.group, []).append(i)
+    groups = sorted(by_group)
+    plan = []
+    for chunk in mini_batches(len(groups), num_steps, seed):
+        indices = [i for g in chunk for i in by_group[groups[g]]]
+        per_rank = [split_by_budget(s, lengths, token_budget) for s in shard_by_tokens(indices, lengths, world_size)]
+        count = max(len(m) for m in per_rank)
+        plan.append([equalize(m, count) for m in per_rank])
+    return plan
+
+
+def collate(rollouts: list[Rollout], indices: list[int], pad_id: int) -> MicroBatch:
+    """Right-padded tensors of the given rollouts; an empty list gives a zero-weight copy of rollout 0."""
+    weight = 1.0 if indices else 0.0
+    chosen = indices or [0]
+    rows = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in chosen]
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for k, i in enumerate(chosen):
+        prompt, completion = len(rollouts[i].prompt_ids), len(rollouts[i].completion_ids)
+        input_ids[k, : prompt + completion] = torch.tensor(rows[k])
+        attention_mask[k, : prompt + completion] = 1
+        loss_mask[k, prompt : prompt + completion] = True
+    advantages = torch.tensor([rollouts[i].advantage for i in chosen], dtype=torch.float32)
+    return MicroBatch(chosen, input_ids, attention_mask, loss_mask, advantages, weight)

@@ -1,0 +1,124 @@
+"""Atomic, resumable checkpoints: runs/<name>/checkpoints/step_<k>/.
+
+Each holds the DeepSpeed state (module, ZeRO-partitioned optimiser, scheduler), every rank's RNG states,
+`trainer_state.json` (step, data position), and `hf/`: the policy in safetensors with its tokenizer and
+config, loadable by `AutoModelForCausalLM.from_pretrained` and by the generation server.
+
+Everything is written into `step_<k>.tmp/` and renamed to `step_<k>/` only once all ranks have finished.
+A run killed at any point (SIGKILL mid-step or mid-save) leaves either a complete checkpoint or a `.tmp`
+directory that resume ignores and removes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+DEEPSPEED_TAG = "deepspeed"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    root = checkpoint_dir(run_dir)
+    complete = [p for p in root.glob("step_*") if STEP_DIR.match(p.name) and (p / "trainer_state.json").is_file()]
+    return max(complete, key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)
+
+
+def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, tokenizer, rank: int,
+                    keep_last: int, export_hf: bool = True) -> Path:
+    """Collective: every rank calls it. Returns the final directory."""
+    root = checkpoint_dir(run_dir)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        if export_hf:
+            engine.module.save_pretrained(tmp / "hf", safe_serialization=True)
+            tokenizer.save_pretrained(tmp / "hf")
+        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+    _barrier()
+    if rank == 0:
+        _fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step after a resume
+        os.replace(tmp, final)
+        _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def load_checkpoint(engine, path: Path, rank: int) -> dict:
+    """Restores the engine and this rank's RNG; returns the trainer state (with "step")."""
+    load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():  # absent when resuming with more ranks than were saved
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def start_fresh(run_dir: Path) -> None:
+    """train.resume: never on a run directory that has checkpoints: they belong to an older run, remove them
+    (a later resume would otherwise pick them up)."""
+    old = [p for p in checkpoint_dir(run_dir).glob("step_*")]
+    if old:
+        print(f"[apmpo] train.resume=never: removing {len(old)} checkpoint(s) of an earlier run in "
+              f"{checkpoint_dir(run_dir)}", flush=True)
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_incomplete(run_dir: Path) -> None:
+    for tmp in checkpoint_dir(run_dir).glob("step_*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := STEP_DIR.match(p.name)))
+    for _, path in steps[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_tree(path: Path) -> None:
+    """Data on disk before the rename makes the checkpoint visible (a crash must not expose empty files)."""
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _barrier() -> None:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.barrier()

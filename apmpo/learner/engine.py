@@ -1,0 +1,110 @@
+"""DeepSpeed ZeRO-2 set-up for the policy, and the frozen reference model.
+
+Gradient accumulation is ours, not DeepSpeed's: micro-batches come from a token budget, so their number
+varies per optimiser step. DeepSpeed is configured with gradient_accumulation_steps=1 (its backward then
+applies no 1/GAS scaling) and told where each step ends with `set_gradient_accumulation_boundary`; the loss
+carries the global normalisers (see apmpo.loss.policy_loss), so a step is independent of the split.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from apmpo.config import Config
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """Starts torch.distributed through DeepSpeed (gloo on CPU, NCCL on GPU); also works without a launcher."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        from apmpo.rollout.launcher import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        # DeepSpeed compiles a shared-memory all-reduce op (~60 s on a fresh machine) when it creates its
+        # communication backend. Only its inference all-reduce uses it; ZeRO's collectives go through gloo.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        device = torch.device("cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
+
+
+def torch_dtype(cfg: Config) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.model.dtype]
+
+
+def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = True):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg))
+    model.to(device)
+    if not trainable:
+        return model.eval().requires_grad_(False)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def lr_lambda(cfg: Config):
+    """Linear warm-up, then constant, cosine or linear decay to 0 over the remaining optimiser steps."""
+    warmup = cfg.optim.warmup_steps
+    total = cfg.train.steps * cfg.optimizer_steps_per_rollout
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.optim.schedule == "cosine" else 1.0 - progress
+
+    return factor
+
+
+def build_engine(model, cfg: Config, dist: Dist):
+    """The DeepSpeed engine around the policy: ZeRO-2, AdamW (torch's, so nothing is JIT-compiled), clipping."""
+    import deepspeed
+
+    o = cfg.optim
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,  # a placeholder: micro-batches are sized by tokens, not rows
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": o.max_grad_norm,
+        "zero_optimization": {"stage": cfg.train.zero_stage, "overlap_comm": dist.device.type == "cuda",
+                              "contiguous_gradients": True},
+        "bf16": {"enabled": cfg.model.dtype == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2],
+                                                  "eps": o.adam_eps, "weight_decay": o.weight_decay,
+                                                  "torch_adam": True}},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+    )
+    return engine

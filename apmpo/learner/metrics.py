@@ -1,0 +1,64 @@
+"""Per-step metrics: runs/<name>/metrics.jsonl (one JSON object per step), TensorBoard events, optional
+Weights & Biases, and a progress bar. Rank 0 only; one `log` call per step."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+from apmpo.config import Config
+
+
+class MetricsLogger:
+    def __init__(self, cfg: Config, start_step: int):
+        self.path = cfg.run_dir / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_steps_after(start_step)  # a resumed run redoes the steps after its checkpoint
+        self.file = open(self.path, "a", encoding="utf-8")
+        self.tensorboard = None
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(cfg.run_dir / "tensorboard"), purge_step=start_step + 1)
+        self.wandb = None
+        if cfg.logging.wandb:
+            import wandb  # only when asked for
+
+            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.run_name,
+                                    config=cfg.to_dict(), resume="allow")
+        self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc=cfg.logging.run_name, unit="step",
+                        dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        self.bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                             s_per_step=f"{metrics.get('time/step', float('nan')):.2f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+    def _drop_steps_after(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN

@@ -1,0 +1,119 @@
+"""Rank 0's half of a step: sample prompts, generate G completions each, score them, compute advantages.
+
+DAPO's three additions are switches of `RolloutConfig`: overlong reward shaping, dynamic sampling (drop
+groups whose rewards are all equal and sample more prompts until the batch is full, at most
+`max_sampling_rounds` times) and the masking of truncated completions (they get no loss).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from apmpo.config import RolloutConfig
+from apmpo.learner.batching import Rollout
+from apmpo.loss import group_advantages
+
+# completions, samples -> rewards (1.0 correct, 0.0 otherwise); crashes and time-outs already scored 0
+ScoreFn = Callable[[list[str], list[dict]], list[float]]
+
+
+class PromptSampler:
+    """A seeded, resumable order over a dataset: a fresh permutation every epoch."""
+
+    def __init__(self, size: int, seed: int, epoch: int = 0, position: int = 0):
+        if size == 0:
+            raise ValueError("the training dataset is empty")
+        self.size, self.seed, self.epoch, self.position = size, seed, epoch, position
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position == self.size:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation()
+            step = min(k - len(out), self.size - self.position)
+            out += self._order[self.position : self.position + step]
+            self.position += step
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+
+@dataclass
+class StepRollouts:
+    rollouts: list[Rollout]  # what the learner trains on, advantages filled in
+    rewards: torch.Tensor  # [groups, G] rewards of the trained groups: input of adaptive_params
+    metrics: dict[str, float]
+
+
+def overlong_penalty(length: int, cfg: RolloutConfig) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_tokens - buffer, then linear down to -penalty."""
+    if cfg.overlong_buffer <= 0:
+        return 0.0
+    excess = length - (cfg.max_tokens - cfg.overlong_buffer)
+    return -cfg.overlong_penalty * min(1.0, excess / cfg.overlong_buffer) if excess > 0 else 0.0
+
+
+def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]], samples: list[dict],
+                     score: ScoreFn, cfg: RolloutConfig, seed: int, delta: float, times: dict) -> StepRollouts:
+    """Generates and scores until the batch is full; adds the seconds spent to times["generate"|"reward"]."""
+    B, G = cfg.prompts_per_step, cfg.group_size
+    times.setdefault("generate", 0.0)
+    times.setdefault("reward", 0.0)
+    kept: list[list[Rollout]] = []
+    raw_rewards, lengths, truncated, rounds = [], [], 0, 0
+    last_round: list[list[Rollout]] = []
+    while len(kept) < B and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+        chosen = sampler.take(B)
+        tick = time.perf_counter()
+        outputs = client.generate([prompt_ids[i] for i in chosen], n=G, temperature=cfg.temperature,
+                                  top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
+                                  seed=seed * 1000 + rounds)
+        flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
+        times["generate"] += time.perf_counter() - tick
+        tick = time.perf_counter()
+        rewards = score([out.text for _, out in flat], [samples[i] for i, _ in flat])
+        times["reward"] += time.perf_counter() - tick
+        raw_rewards += rewards
+        last_round = []
+        for g, i in enumerate(chosen):
+            group = []
+            for j in range(G):
+                out, reward = flat[g * G + j][1], rewards[g * G + j]
+                lengths.append(len(out.token_ids))
+                truncated += out.finish_reason == "length"
+                group.append(Rollout(prompt_ids[i], list(out.token_ids), list(out.logprobs), out.finish_reason,
+                                     group=-1, reward=reward + overlong_penalty(len(out.token_ids), cfg)))
+            last_round.append(group)
+            if not cfg.dynamic_sampling or len({r.reward for r in group}) > 1:
+                kept.append(group)
+        rounds += 1
+    kept = kept[:B] if kept else last_round  # nothing informative after the cap: train on the last round
+    rewards = torch.tensor([[r.reward for r in group] for group in kept])
+    advantages = group_advantages(rewards, delta)
+    rollouts = []
+    for g, group in enumerate(kept):
+        for j, rollout in enumerate(group):
+            rollout.group, rollout.advantage = g, float(advantages[g, j])
+            if not (cfg.mask_truncated and rollout.finish_reason == "length") and rollout.completion_ids:
+                rollouts.append(rollout)
+    raw = torch.tensor(raw_rewards)
+    metrics = {
+        "reward/mean": raw.mean().item(),
+        "reward/std": raw.std(unbiased=False).item(),
+        "reward/trained_mean": rewards.mean().item(),
+        "response/length_mean": sum(lengths) / len(lengths),
+        "response/truncated_frac": truncated / len(lengths),
+        "rollout/rounds": rounds,
+        "rollout/groups": len(kept),
+        "rollout/informative_groups_frac": (advantages.abs().sum(1) > 0).float().mean().item(),
+    }
+    return StepRollouts(rollouts, rewards, metrics)

@@ -1,0 +1,152 @@
+"""Train a policy by RL from verifiable rewards with APMPO, or the GRPO, DAPO and GMPO baselines.
+
+    deepspeed launch/train.py --config configs/quickstart.yaml [--set loss.name=grpo ...] [--resume]
+    python launch/train.py --config configs/quickstart.yaml            # one process, no launcher
+
+One step, as in ARCHITECTURE.md: rank 0 samples B prompts, asks the generation server (a separate vLLM
+process) for G completions each, scores them and derives advantages and APMPO's p, FSS and eps_ada. Every
+rank receives the batch and computes the same plan: optimiser mini-batches, its token-balanced shard and
+token-budget micro-batches. Old (and reference) log-probs are recomputed in fp32, then each mini-batch is
+one optimiser step of DeepSpeed ZeRO-2. Rank 0 pushes the new weights into the server, logs, and every
+`save_every` steps all ranks write an atomic checkpoint. APMPO departs from GRPO only in the loss
+(apmpo/loss.py): a power mean of the clipped ratios whose power and upper clip follow the batch's rewards.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+
+from apmpo.config import Config, ConfigError, load_config, save_config
+from apmpo.learner.batching import plan_step
+from apmpo.learner.checkpoint import (latest_checkpoint, load_checkpoint, remove_incomplete, save_checkpoint,
+                                     start_fresh)
+from apmpo.learner.engine import build_engine, init_distributed, load_model
+from apmpo.learner.metrics import MetricsLogger
+from apmpo.learner.rollouts import PromptSampler, collect_rollouts
+from apmpo.learner.setup import load_prompts, make_scorer, prepare_model
+from apmpo.learner.update import micro_batches, old_and_reference_logprobs, optimize, reduce_metrics
+from apmpo.loss import adaptive_params
+from apmpo.rollout.launcher import serve
+
+
+def main(cfg: Config, resume: str) -> None:
+    dist = init_distributed()
+    torch.manual_seed(cfg.train.seed + dist.rank)
+    run_dir = cfg.run_dir
+
+    # ------------------------------------------------------------------ model, data, engine
+    model_path = prepare_model(cfg, dist.is_main)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
+    reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
+    samples, prompt_ids = load_prompts(cfg, tokenizer) if dist.is_main else ([], [])
+    score = make_scorer(cfg) if dist.is_main else None
+
+    # ------------------------------------------------------------------ resume
+    start_step, trainer_state = 0, {}
+    checkpoint = None if resume == "never" else latest_checkpoint(run_dir) if resume == "auto" else Path(resume)
+    if resume == "never" and dist.is_main:
+        start_fresh(run_dir)
+    if checkpoint is not None:
+        trainer_state = load_checkpoint(engine, checkpoint, dist.rank)
+        start_step = trainer_state["step"]
+    if dist.is_main:
+        remove_incomplete(run_dir)
+        sampler = PromptSampler(len(samples), cfg.data.seed, **trainer_state.get("sampler", {}))
+
+    with contextlib.ExitStack() as stack:
+        # -------------------------------------------------------------- generation server (rank 0)
+        client = logger = None
+        if dist.is_main:
+            save_config(cfg, run_dir / "config.yaml")
+            print(f"[apmpo] run {run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
+                  f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
+            r = cfg.rollout
+            server = stack.enter_context(serve(
+                model_path, url=r.url, log_path=run_dir / "server.log", devices=r.devices,
+                gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                max_model_len=r.max_model_len, dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32",
+                seed=cfg.train.seed))
+            client = stack.enter_context(server.client(transport=None if r.weight_sync == "auto" else r.weight_sync,
+                                                       bucket_bytes=r.bucket_mb << 20))
+            if start_step > 0 or r.url is not None:  # the server must generate with the weights we train
+                client.push_weights(engine.module.named_parameters())
+            logger = stack.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
+
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            step_start, times = time.perf_counter(), {}
+
+            # ---------------------------------------------------------- 1-4. prompts, generate, score, statistics
+            if dist.is_main:
+                batch = collect_rollouts(client, sampler, prompt_ids, samples, score, cfg.rollout,
+                                         seed=cfg.train.seed * 100_003 + step, delta=cfg.loss.delta, times=times)
+                params = adaptive_params(batch.rewards, cfg.loss)
+            # ---------------------------------------------------------- 5. every rank gets the batch and the plan
+            payload = [(batch.rollouts, params) if dist.is_main else None]
+            torch_dist.broadcast_object_list(payload, src=0)
+            rollouts, params = payload[0]
+            plan = plan_step(rollouts, cfg.optimizer_steps_per_rollout // cfg.train.epochs, dist.world_size,
+                             cfg.train.micro_batch_tokens, seed=cfg.train.seed * 100_003 + step)
+            micro = micro_batches(rollouts, plan, dist.rank, tokenizer.pad_token_id)
+
+            # ---------------------------------------------------------- 6. old and reference log-probs
+            tick = time.perf_counter()
+            totals = old_and_reference_logprobs(engine.module, reference, micro, cfg, dist.device)
+            times["logprob"] = time.perf_counter() - tick
+
+            # ---------------------------------------------------------- 7. update: mini-batches x epochs
+            tick = time.perf_counter()
+            totals |= optimize(engine, micro, plan, rollouts, params, cfg, dist.world_size, dist.device)
+            times["update"] = time.perf_counter() - tick
+
+            # ---------------------------------------------------------- 8. weight sync
+            tick = time.perf_counter()
+            if dist.is_main:
+                client.push_weights(engine.module.named_parameters())
+            times["weight_sync"] = time.perf_counter() - tick
+
+            # ---------------------------------------------------------- 9. log and checkpoint
+            reduced = reduce_metrics(totals, dist.device, dist.world_size, len(plan) * cfg.train.epochs)
+            if dist.is_main:
+                times["step"] = time.perf_counter() - step_start
+                logger.log(step, {**batch.metrics, **reduced, "optim/lr": engine.get_lr()[0],
+                                  "optim/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                                  **{f"time/{k}": v for k, v in times.items()}})
+            if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps):
+                state = {"sampler": sampler.state_dict()} if dist.is_main else {}
+                save_checkpoint(engine, run_dir, step, state, tokenizer, dist.rank, cfg.checkpoint.keep_last,
+                                cfg.checkpoint.export_hf)
+    if dist.is_main:
+        print(f"[apmpo] done: {run_dir}", flush=True)
+
+
+def parse_args(argv=None) -> tuple[Config, str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML file, e.g. configs/quickstart.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set loss.name=grpo (repeatable)")
+    parser.add_argument("--resume", nargs="?", const="auto", default=None,
+                        help="resume from the latest checkpoint of the run (or from the given checkpoint)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    return cfg, args.resume or cfg.train.resume
+
+
+if __name__ == "__main__":
+    try:
+        config, resume_from = parse_args()
+    except ConfigError as error:  # before any process group or server exists
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"apmpo: bad config: {error}", file=sys.stderr)
+        sys.exit(2)
+    main(config, resume_from)
