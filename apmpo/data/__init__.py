@@ -92,7 +92,8 @@ def _minerva(row: dict) -> dict:
 
 def _olympiadbench(row: dict) -> dict:
     question = row["question"] if not row.get("context") else f"{row['context']}\n\n{row['question']}"
-    return {"task": "math", "question": question, "answer": row["final_answer"][0].strip().strip("$").strip()}
+    # Every `$`, not only the outer ones (Qwen2.5-Math's .strip("$")): multi-answer golds read "$69$,$84$".
+    return {"task": "math", "question": question, "answer": row["final_answer"][0].replace("$", "").strip()}
 
 
 def _geometry3k(row: dict) -> dict:
@@ -250,7 +251,8 @@ def load_records(
         raise KeyError(f"unknown field mapping {fields!r}; use one of {sorted(FIELD_MAPS)}")
     records, skipped = [], 0
     for index, row in enumerate(rows):
-        record = {"id": f"{source}/{row.get('id', row.get('question_id', row.get('dev_index', index)))}"}
+        # The row's position, not its own id field: BIRD mini-dev repeats some question_ids.
+        record = {"id": f"{source}/{index}"}
         record.update(FIELD_MAPS[fields](row))
         if record["answer"] in ("", None):
             skipped += 1  # no gold answer: such a record could only ever score 0
