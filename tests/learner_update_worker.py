@@ -1,0 +1,83 @@
+"""Runs the learner's update (steps 5-7 of a training step) on synthetic rollouts, without a server.
+
+    python tests/learner_update_worker.py OUT_DIR --set train.micro_batch_tokens=64
+    deepspeed --num_gpus 2 tests/learner_update_worker.py OUT_DIR ...
+
+Writes OUT_DIR/rank<r>.pt with the parameters after the optimiser steps, the gradient norm of each step and
+the rollouts this rank trained on. tests/test_learner.py compares runs that split the same batch differently.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from apmpo.config import load_config  # noqa: E402
+from apmpo.learner.batching import Rollout, plan_step  # noqa: E402
+from apmpo.learner.engine import build_engine, init_distributed  # noqa: E402
+from apmpo.learner.update import micro_batches, old_and_reference_logprobs, optimize  # noqa: E402
+from apmpo.loss import adaptive_params, group_advantages  # noqa: E402
+from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
+
+
+def synthetic_rollouts(num_groups: int, group_size: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rewards = (torch.rand(num_groups, group_size, generator=g) > 0.5).float()
+    advantages = group_advantages(rewards)
+    rollouts = []
+    for i in range(num_groups):
+        prompt = torch.randint(3, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        for j in range(group_size):
+            n = int(torch.randint(1, 20, (1,), generator=g))
+            completion = torch.randint(3, vocab, (n,), generator=g).tolist()
+            rollouts.append(Rollout(prompt, completion, [0.0] * n, "stop", group=i, reward=float(rewards[i, j]),
+                                    advantage=float(advantages[i, j])))
+    return rollouts, rewards
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--local_rank", type=int, default=None)
+    args = parser.parse_args()
+    # adam_eps well above round-off: Adam's first step is ~ lr * sign(g), so with a tiny eps a gradient that is
+    # zero up to round-off would turn summation-order noise into +-lr steps and hide what the test compares.
+    cfg = load_config(None, ["model.dtype=fp32", "rollout.prompts_per_step=8", "rollout.group_size=4",
+                             "train.mini_batch_size=4", "optim.lr=1e-2", "optim.adam_eps=1e-3",
+                             "optim.max_grad_norm=1.0", *args.set])
+    dist = init_distributed()
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, tie_word_embeddings=True, seed=0).train()
+    engine = build_engine(model, cfg, dist)
+    reference = build_model(tokenizer, seed=1).requires_grad_(False) if cfg.loss.kl_beta > 0 else None
+
+    rollouts, rewards = synthetic_rollouts(cfg.rollout.prompts_per_step, cfg.rollout.group_size, len(tokenizer))
+    params = adaptive_params(rewards, cfg.loss)
+    plan = plan_step(rollouts, cfg.optimizer_steps_per_rollout // cfg.train.epochs, dist.world_size,
+                     cfg.train.micro_batch_tokens, seed=0)
+    micro = micro_batches(rollouts, plan, dist.rank, tokenizer.pad_token_id)
+    old_and_reference_logprobs(engine.module, reference, micro, cfg, dist.device)
+    grad_norms = []
+    engine.step = _recording(engine.step, engine, grad_norms)
+    optimize(engine, micro, plan, rollouts, params, cfg, dist.world_size, dist.device)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+                "grad_norms": grad_norms, "micro_batches": [len(m) for m in micro],
+                "trained": sorted(i for mini in micro for mb in mini if mb.weight for i in mb.indices)},
+               out / f"rank{dist.rank}.pt")
+
+
+def _recording(step, engine, grad_norms):
+    def wrapped(*args, **kwargs):
+        result = step(*args, **kwargs)
+        grad_norms.append(float(engine.get_global_grad_norm()))
+        return result
+
+    return wrapped
+
+
+if __name__ == "__main__":
+    main()

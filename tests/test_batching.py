@@ -1,0 +1,52 @@
+"""The step plan: every sequence trained once per optimiser step, ranks balanced, budgets kept."""
+import pytest
+
+from apmpo.learner.batching import Rollout, collate, equalize, plan_step, shard_by_tokens, split_by_budget
+
+
+def rollouts(lengths, group_size=4):
+    return [Rollout([1] * 3, [2] * n, [0.0] * n, "stop", group=i // group_size) for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("budget", [16, 64, 10_000])
+def test_plan_covers_every_sequence_once_with_equal_micro_batch_counts(world_size, budget):
+    batch = rollouts([(7 * i) % 23 + 1 for i in range(32)])
+    plan = plan_step(batch, num_steps=4, world_size=world_size, token_budget=budget, seed=0)
+    assert len(plan) == 4
+    seen = []
+    for step in plan:
+        assert len({len(rank) for rank in step}) == 1  # same number of micro-batches on every rank
+        step_indices = [i for rank in step for micro in rank for i in micro]
+        assert len({batch[i].group for i in step_indices}) == 2  # whole groups: 8 groups over 4 steps
+        seen += step_indices
+        for rank in step:
+            for micro in rank:
+                if len(micro) > 1:
+                    assert len(micro) * max(batch[i].num_tokens for i in micro) <= budget
+    assert sorted(seen) == list(range(32))
+
+
+def test_shards_are_balanced_by_tokens():
+    lengths = [50, 40, 30, 20, 10, 10, 10, 10]
+    shards = shard_by_tokens(list(range(8)), lengths, 2)
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert loads == [90, 90]
+
+
+def test_split_and_equalize():
+    assert split_by_budget([0, 1, 2], [5, 5, 5], 10) == [[0, 1], [2]]
+    assert split_by_budget([0], [50], 10) == [[0]]  # too long alone: its own micro-batch
+    assert equalize([[0, 1, 2, 3]], 3) == [[0, 1], [2], [3]] or len(equalize([[0, 1, 2, 3]], 3)) == 3
+    assert equalize([[0]], 3) == [[0], [], []]  # empty ones become zero-weight dummies
+
+
+def test_collate_masks_completions_and_dummy_weight():
+    batch = [Rollout([5, 6], [7, 8, 9], [0.0] * 3, "stop", group=0, advantage=1.5),
+             Rollout([5], [7], [0.0], "length", group=0, advantage=-1.5)]
+    mb = collate(batch, [0, 1], pad_id=0)
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 7, 0, 0, 0]]
+    assert mb.loss_mask.tolist() == [[False, False, True, True, True], [False, True, False, False, False]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert mb.advantages.tolist() == [1.5, -1.5] and mb.weight == 1.0
+    assert collate(batch, [], pad_id=0).weight == 0.0
