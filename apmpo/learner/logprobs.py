@@ -63,8 +63,8 @@ def token_logprobs(
 
     logps, entropies = [], []
     for start in range(0, targets.numel(), chunk_tokens):
-        end = start + chunk_tokens
-        logp, entropy = _ChunkLogprobs.apply(states[start:end], head.weight, targets[start:end], temperature, with_entropy)
+        h, y = states[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        logp, entropy = _ChunkLogprobs.apply(h, head.weight, y, temperature, with_entropy)
         logps.append(logp)
         entropies.append(entropy)
 
