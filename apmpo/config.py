@@ -37,9 +37,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = "math12k"  # built-in dataset name ("quickstart" too), hub id, or local jsonl/json/parquet file
-    task: Literal["math", "sql", "choice"] = "math"  # prompt format
-    reward: str = "math"  # reward name, or "pkg.module:function" for your own
-    system_prompt: str | None = None  # None: the task's default
+    split: str = "train"  # for hub ids and dataset folders
+    fields: str | None = None  # field mapping (apmpo.data.FIELD_MAPS: math, minerva, spider, bird, ...); None: detect
+    reward: str = "math"  # math | sql | choice | quickstart, or "pkg.module:function" for your own
+    system_prompt: str | None = None  # None: the task's default (apmpo.data.SYSTEM_PROMPTS)
     max_prompt_tokens: int = 1024  # longer prompts are skipped, and counted
     db_root: str | None = None  # SQL: directory holding <db_id>/<db_id>.sqlite
     seed: int = 0  # data order; resumable
@@ -87,7 +88,7 @@ class TrainConfig:
     mini_batch_size: int = 128  # prompts per optimiser step; a rollout batch gives B / mini_batch_size steps
     epochs: int = 1  # passes over each rollout batch
     micro_batch_tokens: int = 16384  # token budget of one forward/backward per rank
-    logprob_chunk_tokens: int = 4096  # positions per chunk of the fp32 log-softmax
+    logprob_chunk_tokens: int = 1024  # positions per chunk of the fp32 log-softmax
     tis_cap: float | None = None  # truncated importance sampling against the engine's log-probs (e.g. 2.0)
     zero_stage: int = 2
     seed: int = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -30,9 +31,10 @@ from apmpo.learner.checkpoint import (latest_checkpoint, load_checkpoint, remove
 from apmpo.learner.engine import build_engine, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.rollouts import PromptSampler, collect_rollouts
-from apmpo.learner.setup import load_prompts, make_scorer, prepare_model
+from apmpo.learner.setup import load_prompts, prepare_model
 from apmpo.learner.update import micro_batches, old_and_reference_logprobs, optimize, reduce_metrics
 from apmpo.loss import adaptive_params
+from apmpo.rewards import RewardPool, get_reward
 from apmpo.rollout.launcher import serve
 
 
@@ -49,7 +51,6 @@ def main(cfg: Config, resume: str) -> None:
     engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
     reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
     samples, prompt_ids = load_prompts(cfg, tokenizer) if dist.is_main else ([], [])
-    score = make_scorer(cfg) if dist.is_main else None
 
     # ------------------------------------------------------------------ resume
     start_step, trainer_state = 0, {}
@@ -65,9 +66,12 @@ def main(cfg: Config, resume: str) -> None:
 
     with contextlib.ExitStack() as stack:
         # -------------------------------------------------------------- generation server (rank 0)
-        client = logger = None
+        client = logger = score = None
         if dist.is_main:
             save_config(cfg, run_dir / "config.yaml")
+            # Rewards run in worker processes with a per-item time limit: a crash or a hang scores 0, is counted.
+            pool = stack.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s))
+            score = functools.partial(pool.score, get_reward(cfg.data.reward))
             print(f"[apmpo] run {run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
             r = cfg.rollout

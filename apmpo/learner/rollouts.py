@@ -16,8 +16,9 @@ from apmpo.config import RolloutConfig
 from apmpo.learner.batching import Rollout
 from apmpo.loss import group_advantages
 
-# completions, samples -> rewards (1.0 correct, 0.0 otherwise); crashes and time-outs already scored 0
-ScoreFn = Callable[[list[str], list[dict]], list[float]]
+# completions, samples -> (rewards, summary): apmpo.rewards.RewardPool.score with the reward bound; crashes and
+# time-outs are scored 0 and counted in the summary ("errors", "timeouts", "crashes").
+ScoreFn = Callable[[list[str], list[dict]], "tuple[list[float], dict]"]
 
 
 class PromptSampler:
@@ -69,7 +70,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     times.setdefault("generate", 0.0)
     times.setdefault("reward", 0.0)
     kept: list[list[Rollout]] = []
-    raw_rewards, lengths, truncated, rounds = [], [], 0, 0
+    raw_rewards, lengths, truncated, rounds, failures = [], [], 0, 0, 0
     last_round: list[list[Rollout]] = []
     while len(kept) < B and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         chosen = sampler.take(B)
@@ -80,7 +81,8 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
         times["generate"] += time.perf_counter() - tick
         tick = time.perf_counter()
-        rewards = score([out.text for _, out in flat], [samples[i] for i, _ in flat])
+        rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat])
+        failures += summary["errors"] + summary["timeouts"] + summary["crashes"]
         times["reward"] += time.perf_counter() - tick
         raw_rewards += rewards
         last_round = []
@@ -112,6 +114,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         "reward/trained_mean": rewards.mean().item(),
         "response/length_mean": sum(lengths) / len(lengths),
         "response/truncated_frac": truncated / len(lengths),
+        "reward/failures": failures,
         "rollout/rounds": rounds,
         "rollout/groups": len(kept),
         "rollout/informative_groups_frac": (advantages.abs().sum(1) > 0).float().mean().item(),

@@ -1,16 +1,14 @@
-"""What the loop needs before its first step: the model path, the prompts, and the scorer.
+"""What the loop needs before its first step: the model path and the prompts.
 
 `model.path: quickstart` and `data.train: quickstart` select the built-in CPU quickstart (apmpo/quickstart.py):
 the model is written into the run directory by rank 0, so every process and the server load the same files.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch.distributed as torch_dist
 
 from apmpo.config import Config
-from apmpo.learner.rollouts import ScoreFn
+from apmpo.data import encode_prompt, load_records
 
 
 def prepare_model(cfg: Config, is_main: bool) -> str:
@@ -26,32 +24,20 @@ def prepare_model(cfg: Config, is_main: bool) -> str:
     return str(path)
 
 
-def encode_prompt(messages: list[dict], tokenizer, system_prompt: str | None) -> list[int]:
-    if system_prompt:
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def load_prompts(cfg: Config, tokenizer) -> tuple[list[dict], list[list[int]]]:
-    """The training samples and their prompt token ids; prompts over data.max_prompt_tokens are dropped."""
-    if cfg.data.train == "quickstart":
+    """The training records (each is also its reward's `sample`) and their prompt token ids; prompts longer
+    than data.max_prompt_tokens are dropped, and counted."""
+    d = cfg.data
+    if d.train == "quickstart":
         from apmpo.quickstart import make_samples
 
-        samples = make_samples(4096, seed=cfg.data.seed)
+        records = [{**s, "messages": s["prompt"]} for s in make_samples(4096, seed=d.seed)]
     else:
-        raise NotImplementedError("datasets other than the quickstart arrive with apmpo.data")
-    encoded = [encode_prompt(s["prompt"], tokenizer, cfg.data.system_prompt) for s in samples]
-    kept = [(s, ids) for s, ids in zip(samples, encoded) if len(ids) <= cfg.data.max_prompt_tokens]
-    if len(kept) < len(samples):
-        print(f"[apmpo] dropped {len(samples) - len(kept)} prompts longer than data.max_prompt_tokens="
-              f"{cfg.data.max_prompt_tokens}", flush=True)
-    return [s for s, _ in kept], [ids for _, ids in kept]
-
-
-def make_scorer(cfg: Config) -> ScoreFn:
-    if cfg.data.reward == "quickstart":
-        from apmpo.quickstart import reward
-    else:
-        raise NotImplementedError("rewards other than the quickstart arrive with apmpo.rewards")
-    return lambda completions, samples: [reward(c, s) for c, s in zip(completions, samples)]
+        records = load_records(d.train, split=d.split, fields=d.fields, db_root=d.db_root,
+                               system_prompt=d.system_prompt)
+    encoded = [encode_prompt(r, tokenizer) for r in records]
+    kept = [(r, ids) for r, ids in zip(records, encoded) if len(ids) <= d.max_prompt_tokens]
+    if len(kept) < len(records):
+        print(f"[apmpo] dropped {len(records) - len(kept)} of {len(records)} prompts longer than "
+              f"data.max_prompt_tokens={d.max_prompt_tokens}", flush=True)
+    return [r for r, _ in kept], [ids for _, ids in kept]

@@ -7,6 +7,7 @@
 | "math"   | `answer` (str or number)                          | last \\boxed{} vs gold, math-verify       |
 | "sql"    | `answer` (gold SQL), `db_path`, `metric`          | execution accuracy, Spider or BIRD rule   |
 | "choice" | `answer` (letter, index or text), `choices`       | picked option vs gold option              |
+| "quickstart" | `answer` (a few digits)                       | first character is one of them (CPU quickstart) |
 
 A custom reward is named `"pkg.module:function"`. Training and evaluation both score through
 `score_batch` / `RewardPool` (apmpo/rewards/batch.py): worker processes, a timeout per item, and
@@ -20,11 +21,13 @@ from typing import Callable
 from apmpo.rewards.batch import RewardPool, score_batch
 from apmpo.rewards.choice import choice_reward
 from apmpo.rewards.maths import math_reward
+from apmpo.rewards.quickstart import quickstart_reward
 from apmpo.rewards.sql import sql_reward
 
 RewardFn = Callable[[str, dict], float]
 
-REWARDS: dict[str, RewardFn] = {"math": math_reward, "sql": sql_reward, "choice": choice_reward}
+REWARDS: dict[str, RewardFn] = {"math": math_reward, "sql": sql_reward, "choice": choice_reward,
+                                "quickstart": quickstart_reward}
 
 
 def get_reward(name: str) -> RewardFn:
