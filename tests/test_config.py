@@ -79,3 +79,41 @@ def test_resolved_config_round_trips(tmp_path):
     data.pop("derived")
     (tmp_path / "again.yaml").write_text(yaml.safe_dump(data))
     assert load_config(tmp_path / "again.yaml") == cfg
+
+
+PAPER = Path(__file__).parent.parent / "configs" / "paper"
+
+
+def _diff(a: dict, b: dict, prefix="") -> set[str]:
+    keys = set(a) | set(b)
+    out = set()
+    for k in keys:
+        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+            out |= _diff(a[k], b[k], f"{prefix}{k}.")
+        elif a.get(k) != b.get(k):
+            out.add(prefix + k)
+    return out
+
+
+@pytest.mark.parametrize("name,changed", [
+    ("ablation_fac_only", {"loss.pmpo"}), ("ablation_pmpo_only", {"loss.fac"}),
+    ("ablation_fss_mu_only", {"loss.fss"}), ("ablation_fss_sigma_only", {"loss.fss"}),
+    ("ablation_linear_p", {"loss.p_schedule"}), ("ablation_symmetric_clip", {"loss.clip_mode"}),
+    ("sweep_gamma_0.2", {"loss.gamma"}), ("sweep_eps_0.1-0.3", {"loss.eps_min", "loss.eps_max"}),
+])
+def test_paper_ablations_change_one_thing(name, changed):
+    main = load_config(PAPER / "math_qwen2.5-math-1.5b_apmpo.yaml").to_dict()
+    ablation = load_config(PAPER / f"math_qwen2.5-math-1.5b_{name}.yaml").to_dict()
+    assert _diff(main, ablation) == changed | {"logging.run_name", "derived.run_dir"}
+
+
+def test_paper_recipe():
+    for model in ("qwen2.5-math-1.5b", "qwen2.5-3b", "r1-distill-qwen-1.5b"):
+        for method in ("grpo", "dapo", "gmpo", "apmpo"):
+            cfg = load_config(PAPER / f"math_{model}_{method}.yaml")
+            assert cfg.loss.name == method and cfg.logging.run_name == f"math_{model}_{method}"
+            assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature) == (512, 8, 1.0)
+            assert (cfg.optim.lr, cfg.train.steps, cfg.loss.kl_beta, cfg.optimizer_steps_per_rollout) == (1e-6, 400, 0.001, 4)
+            assert cfg.rollout.dynamic_sampling == (method == "dapo")
+    apmpo = load_config(PAPER / "math_qwen2.5-math-1.5b_apmpo.yaml").loss
+    assert (apmpo.gamma, apmpo.eps_min, apmpo.eps_max, apmpo.eps_low, apmpo.delta) == (0.8, 0.2, 0.4, 0.2, 1e-6)
