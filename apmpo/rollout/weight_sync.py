@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger("vllm.apmpo")  # a child of vLLM's logger: the worker prints it without setup
 Transport = Literal["gloo", "nccl", "cuda_ipc"]
-DEFAULT_BUCKET_BYTES = 256 * 2**20
+DEFAULT_BUCKET_BYTES = 64 * 2**20  # on CPU 64 MiB overlapped transfer and load better than 256 (45% vs 29%)
 _ALIGN = 64  # bytes; every tensor starts at a multiple, so a uint8 slice can be viewed as any dtype
 
 
@@ -237,11 +240,18 @@ class WeightReceiverExtension:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         names = {t.name for b in plan for t in b.tensors}
         tied = getattr(self.model_runner.model_config.hf_text_config, "tie_word_embeddings", False)
-        count = 0
+        count, waited = 0, 0.0
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal count
-            for name, tensor in receive_buckets(group, plan, device):
+            nonlocal count, waited
+            received = receive_buckets(group, plan, device)
+            while True:
+                start = time.perf_counter()
+                item = next(received, None)
+                waited += time.perf_counter() - start
+                if item is None:
+                    return
+                name, tensor = item
                 count += 1
                 yield name, tensor
                 # HF named_parameters() of a tied model omits lm_head.weight. The in-place reload replaces each
@@ -250,5 +260,8 @@ class WeightReceiverExtension:
                 if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in names:
                     yield "lm_head.weight", tensor
 
+        start = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        logger.info("apmpo: reloaded %d tensors in %.2f s (%.2f s of it waiting for bytes)", count,
+                    time.perf_counter() - start, waited)
         return count
