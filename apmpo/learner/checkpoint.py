@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,8 @@ def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, token
             tokenizer.save_pretrained(tmp / "hf")
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
     _barrier()
+    if os.environ.get("APMPO_FAULT_SAVE_PAUSE_S"):  # fault injection for tests: a window to kill mid-save
+        time.sleep(float(os.environ["APMPO_FAULT_SAVE_PAUSE_S"]))
     if rank == 0:
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step after a resume

