@@ -89,7 +89,7 @@ class TrainConfig:
     epochs: int = 1  # passes over each rollout batch
     micro_batch_tokens: int = 16384  # token budget of one forward/backward per rank
     logprob_chunk_tokens: int = 1024  # positions per chunk of the fp32 log-softmax
-    tis_cap: float | None = None  # truncated importance sampling against the engine's log-probs (e.g. 2.0)
+    tis_cap: float | None = None  # sequence-level truncated importance sampling vs the engine's log-probs (e.g. 2.0)
     zero_stage: int = 2
     seed: int = 0
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path

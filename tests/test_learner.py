@@ -48,7 +48,7 @@ def assert_same_step(a, b):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["apmpo", "dapo"])
 def test_update_is_independent_of_micro_batches_accumulation_and_ranks(tmp_path, loss):
-    common = (f"loss.name={loss}", "loss.kl_beta=0.05", "loss.stats_scope=group")
+    common = (f"loss.name={loss}", "loss.kl_beta=0.05", "loss.stats_scope=group", "train.tis_cap=2.0")
     whole, = run_worker(tmp_path / "whole", *common, "train.micro_batch_tokens=100000")
     split, = run_worker(tmp_path / "split", *common, "train.micro_batch_tokens=40")
     assert max(split["micro_batches"]) > 3 and max(whole["micro_batches"]) == 1

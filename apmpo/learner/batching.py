@@ -44,6 +44,7 @@ class MicroBatch:
     attention_mask: Tensor  # 1 on real tokens
     loss_mask: Tensor  # True at completion tokens: the positions scored and trained
     advantages: Tensor  # [n]
+    engine_logp: Tensor  # [n, L] the generation engine's log-probs of the completion tokens, 0 elsewhere
     weight: float = 1.0  # 0 for the dummy micro-batches that keep ranks in step
     old_logp: Tensor | None = None  # [n, L] filled by the learner before the first update
     ref_logp: Tensor | None = None
@@ -123,10 +124,12 @@ def collate(rollouts: list[Rollout], indices: list[int], pad_id: int) -> MicroBa
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    engine_logp = torch.zeros((len(rows), width), dtype=torch.float32)
     for k, i in enumerate(chosen):
         prompt, completion = len(rollouts[i].prompt_ids), len(rollouts[i].completion_ids)
         input_ids[k, : prompt + completion] = torch.tensor(rows[k])
         attention_mask[k, : prompt + completion] = 1
         loss_mask[k, prompt : prompt + completion] = True
+        engine_logp[k, prompt : prompt + completion] = torch.tensor(rollouts[i].engine_logprobs)
     advantages = torch.tensor([rollouts[i].advantage for i in chosen], dtype=torch.float32)
-    return MicroBatch(chosen, input_ids, attention_mask, loss_mask, advantages, weight)
+    return MicroBatch(chosen, input_ids, attention_mask, loss_mask, advantages, engine_logp, weight)

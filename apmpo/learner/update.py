@@ -27,6 +27,16 @@ def logprobs(model, mb: MicroBatch, cfg: Config, device, with_entropy: bool = Fa
                           with_entropy=with_entropy)
 
 
+def truncated_importance_weights(mb: MicroBatch, cap: float, device) -> torch.Tensor:
+    """Sequence-level truncated importance sampling against the generation engine: the learner's old policy
+    and the engine differ numerically (and by a step in async set-ups). w_i = min(exp(mean_t(log pi_old -
+    log pi_engine)), cap), the geometric mean of the per-token ratios, applied to the advantage so it fits
+    every loss alike (a per-token weight has no meaning inside APMPO's power mean)."""
+    mask = mb.loss_mask.to(device)
+    log_ratio = ((mb.old_logp - mb.engine_logp.to(device)) * mask).sum(-1) / mask.sum(-1)
+    return torch.exp(log_ratio).clamp(max=cap)
+
+
 @torch.no_grad()
 def old_and_reference_logprobs(policy, reference, micro: list[list[MicroBatch]], cfg: Config, device) -> dict:
     """Fills mb.old_logp (and mb.ref_logp) before the first update; returns entropy sums for the metrics."""
@@ -55,8 +65,11 @@ def optimize(engine, micro: list[list[MicroBatch]], plan: list, rollouts: list[R
             for k, mb in enumerate(mini):
                 engine.set_gradient_accumulation_boundary(k == len(mini) - 1)
                 logp, _ = logprobs(engine.module, mb, cfg, device)
+                advantages = mb.advantages.to(device)
+                if cfg.train.tis_cap is not None:
+                    advantages = advantages * truncated_importance_weights(mb, cfg.train.tis_cap, device)
                 loss, metrics = policy_loss(
-                    logp, mb.old_logp, mb.advantages.to(device), mb.loss_mask.to(device), cfg.loss,
+                    logp, mb.old_logp, advantages, mb.loss_mask.to(device), cfg.loss,
                     params.per_sequence(groups[mb.indices]), ref_logp=mb.ref_logp,
                     num_seqs=num_seqs, num_tokens=num_tokens)
                 engine.backward(loss * mb.weight)
