@@ -49,21 +49,32 @@ def test_pack_casts_to_the_planned_dtype():
     assert y.dtype == torch.bfloat16 and torch.equal(y, x.to(torch.bfloat16))
 
 
-def _receiver(port: int, queue) -> None:
+def _receiver(transport: str, port: int, device: str, queue) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     named = _mixed_tensors()
-    group = WeightGroup("gloo", "127.0.0.1", port, 1, 2, timeout_s=30)
-    got = [(n, t.clone()) for n, t in receive_buckets(group, _plan(named, 256), torch.device("cpu"))]
+    group = WeightGroup(transport, "127.0.0.1", port, 1, 2, timeout_s=30)
+    got = [(n, t.cpu().clone()) for n, t in receive_buckets(group, _plan(named, 256), device)]
     queue.put(all(torch.equal(a, b) and n == m for (n, a), (m, b) in zip(named, got, strict=True)))
 
 
-def test_gloo_transfer_between_two_processes():
-    named = _mixed_tensors()
-    store = WeightGroup.create_master("gloo", "127.0.0.1", 2, timeout_s=30)
+_GPUS = torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("transport, sender, receiver", [
+    ("gloo", "cpu", "cpu"),
+    pytest.param("cuda_ipc", "cuda:0", "cuda:0", marks=pytest.mark.skipif(_GPUS < 1, reason="needs a GPU")),
+    pytest.param("nccl", "cuda:0", "cuda:1", marks=pytest.mark.skipif(_GPUS < 2, reason="needs two GPUs")),
+])
+def test_transfer_between_two_processes(transport, sender, receiver):
+    named = [(n, t.to(sender)) for n, t in _mixed_tensors()]
+    store = WeightGroup.create_master(transport, "127.0.0.1", 2, timeout_s=30)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_receiver, args=(store.port, queue))
+    child = ctx.Process(target=_receiver, args=(transport, store.port, receiver, queue))
     child.start()
-    group = WeightGroup("gloo", "127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
+    group = WeightGroup(transport, "127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
     send_buckets(group, _plan(named, 256), [t for _, t in named])
     assert queue.get(timeout=60) is True
     child.join(timeout=30)
