@@ -94,14 +94,18 @@ def test_seeded_batch_larger_than_one_step_survives(client):
     assert [len(row) for row in outs] == [2] * 16
 
 
-def test_engine_logprobs_match_hf(client, tiny_tied):
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_engine_logprobs_match_hf(client, tiny_tied, temperature):
+    # The engine reports log-probs of the distribution it sampled from: log_softmax(logits / temperature),
+    # exactly what the learner recomputes.
     model = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32).eval()
-    outs = client.generate(PROMPTS, n=2, temperature=1.0, max_tokens=10, seed=7)
+    outs = client.generate(PROMPTS, n=2, temperature=temperature, max_tokens=10, seed=7)
     for prompt, row in zip(PROMPTS, outs):
         for sample in row:
             ids = torch.tensor([prompt + sample.token_ids])
             with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+                logp = torch.log_softmax(logits, dim=-1)
             hf = logp.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(sample.logprobs), hf, atol=LOGPROB_ATOL, rtol=0)
 

