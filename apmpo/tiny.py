@@ -91,12 +91,15 @@ def save_tiny_model(
     *,
     tie_word_embeddings: bool = True,
     corpus: Iterable[str] = DEFAULT_CORPUS,
+    tokenizer: PreTrainedTokenizerFast | None = None,
     seed: int = 0,
     **model_kwargs,
 ) -> Path:
-    """Write a tiny checkpoint (safetensors) with its tokenizer to `out_dir`; returns the path."""
+    """Write a tiny checkpoint (safetensors) with its tokenizer to `out_dir`; returns the path.
+
+    The tokenizer defaults to `build_tokenizer(corpus)`."""
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(corpus)
+    tokenizer = build_tokenizer(corpus) if tokenizer is None else tokenizer
     model = build_model(tokenizer, tie_word_embeddings=tie_word_embeddings, seed=seed, **model_kwargs)
     model.generation_config.do_sample = False  # the server never reads it; sampling is explicit
     model.save_pretrained(out_dir, safe_serialization=True)
