@@ -17,7 +17,7 @@ of the prompt), and settles at 0.9-1.0; the same with loss.name apmpo, grpo, dap
 
     from apmpo.quickstart import build_tokenizer, make_samples, reward, save_quickstart_model
     save_quickstart_model("/tmp/quickstart-model")  # or in memory: apmpo.tiny.build_model(build_tokenizer())
-    samples = make_samples(512, seed=0)  # [{"prompt": [{"role": "user", "content": "690"}], "answer": "690"}, ...]
+    samples = make_samples(512, seed=0)  # [{"task": "quickstart", "messages": [{"role": "user", "content": "690"}], "answer": "690"}, ...]
     reward("9", samples[0]), reward("5", samples[0])  # 1.0, 0.0
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from apmpo import tiny
+from apmpo.rewards.quickstart import quickstart_reward as reward  # noqa: F401 (part of this module's API)
 
 DIGITS = "0123456789"
 NUM_DIGITS = 3  # per prompt, distinct
@@ -72,11 +73,5 @@ def make_samples(n: int, seed: int = 0) -> list[dict]:
     samples = []
     for _ in range(n):
         digits = "".join(rng.sample(DIGITS, NUM_DIGITS))
-        samples.append({"prompt": [{"role": "user", "content": digits}], "answer": digits})
+        samples.append({"task": "quickstart", "messages": [{"role": "user", "content": digits}], "answer": digits})
     return samples
-
-
-def reward(completion: str, sample: dict) -> float:
-    """1.0 if the completion's first non-whitespace character is one of the sample's answer digits, else 0.0."""
-    first = completion.lstrip()[:1]
-    return float(first != "" and first in sample["answer"])

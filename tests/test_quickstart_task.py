@@ -12,7 +12,7 @@ def test_samples_are_deterministic_and_well_formed():
     assert a == b
     assert a != make_samples(64, seed=4)
     for s in a:
-        (message,) = s["prompt"]
+        (message,) = s["messages"]
         assert message["role"] == "user"
         digits = message["content"]
         assert len(digits) == 3 and len(set(digits)) == 3 and digits.isdigit()
@@ -40,7 +40,7 @@ def test_reward(completion, expected):
 def test_tokenizer_is_character_level_and_reloads_the_same(tmp_path):
     tok = build_tokenizer()
     assert len(tok) == 22 and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
-    prompt = tok.apply_chat_template(make_samples(1)[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(make_samples(1)[0]["messages"], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")
     ids = tok(prompt)["input_ids"]
     assert len(ids) == 22  # 3 specials + "user\n" + 3 digits + <|im_end|> "\n" <|im_start|> + "assistant\n"
@@ -58,7 +58,7 @@ def test_random_model_base_success_rate():
     tok = build_tokenizer()
     model = build_model(tok, seed=0)
     samples = make_samples(128, seed=0)
-    prompts = [tok.apply_chat_template(s["prompt"], tokenize=False, add_generation_prompt=True) for s in samples]
+    prompts = [tok.apply_chat_template(s["messages"], tokenize=False, add_generation_prompt=True) for s in samples]
     ids = torch.tensor([tok(p)["input_ids"] for p in prompts]).repeat_interleave(8, 0)  # all the same length
     generator = torch.Generator().manual_seed(0)
     for _ in range(4):  # max_tokens of the quickstart

@@ -31,7 +31,7 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[dict], list[list[int]]]:
     if d.train == "quickstart":
         from apmpo.quickstart import make_samples
 
-        records = [{**s, "messages": s["prompt"]} for s in make_samples(4096, seed=d.seed)]
+        records = make_samples(4096, seed=d.seed)
     else:
         records = load_records(d.train, split=d.split, fields=d.fields, db_root=d.db_root,
                                system_prompt=d.system_prompt)
