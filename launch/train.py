@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+from transformers import AutoTokenizer
 
 from apmpo.config import Config, ConfigError, load_config, save_config
 from apmpo.learner.batching import plan_step
@@ -45,8 +46,6 @@ def main(cfg: Config, resume: str) -> None:
 
     # ------------------------------------------------------------------ model, data, engine
     model_path = prepare_model(cfg, dist.is_main)
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
     reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
