@@ -184,6 +184,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
 
 
 def save_config(config: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # a run's first file: its directory may not exist yet
     Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
