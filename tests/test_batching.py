@@ -27,6 +27,10 @@ def test_plan_covers_every_sequence_once_with_equal_micro_batch_counts(world_siz
     assert sorted(seen) == list(range(32))
 
 
+def test_empty_batch_plans_no_step():
+    assert plan_step([], num_steps=2, world_size=2, token_budget=64, seed=0) == []
+
+
 def test_shards_are_balanced_by_tokens():
     lengths = [50, 40, 30, 20, 10, 10, 10, 10]
     shards = shard_by_tokens(list(range(8)), lengths, 2)
@@ -66,3 +70,25 @@ def test_truncated_importance_weights():
     # row 0: mean(old - engine) = mean(0.5, 0.5) = 0.5 -> exp(0.5) = 1.6487; row 1: -2 - (-3) = 1 -> e = 2.718
     assert truncated_importance_weights(mb, 2.0, "cpu").tolist() == pytest.approx([math.exp(0.5), 2.0])
     assert truncated_importance_weights(mb, 1.5, "cpu").tolist() == pytest.approx([1.5, 1.5])
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    from apmpo.config import RolloutConfig
+    from apmpo.learner.rollouts import overlong_penalty
+
+    cfg = RolloutConfig(max_tokens=100, overlong_buffer=20, overlong_penalty=1.0)
+    # no penalty up to 100 - 20 = 80 tokens, then linear: 90 -> -(10/20) = -0.5, 100 -> -1
+    assert [overlong_penalty(n, cfg) for n in (10, 80, 81, 90, 100)] == [0.0, 0.0, -0.05, -0.5, -1.0]
+    assert overlong_penalty(100, RolloutConfig(max_tokens=100)) == 0.0  # buffer 0: off
+
+
+def test_prompt_sampler_is_seeded_covers_each_epoch_and_resumes():
+    from apmpo.learner.rollouts import PromptSampler
+
+    a = PromptSampler(10, seed=3)
+    first = a.take(4) + a.take(6)
+    assert sorted(first) == list(range(10))  # one epoch = every prompt once
+    second_epoch = a.take(10)
+    assert sorted(second_epoch) == list(range(10)) and second_epoch != first
+    resumed = PromptSampler(10, seed=3, **PromptSampler(10, seed=3, epoch=0, position=4).state_dict())
+    assert resumed.take(6) == first[4:]

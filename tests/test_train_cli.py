@@ -76,6 +76,51 @@ def test_quickstart_steps_metrics_and_checkpoint(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(final / "hf")
     assert model.config.tie_word_embeddings
+    from apmpo.rollout.launcher import serve  # the export also loads in the generation server
+
+    with serve(str(final / "hf"), log_path=tmp_path / "server.log", max_model_len=128) as server:
+        with server.client() as client:
+            [[sample]] = client.generate([[1, 5, 6]], n=1, temperature=0.0, max_tokens=3)
+    assert len(sample.token_ids) >= 1
+
+
+@pytest.mark.slow
+def test_two_learner_ranks_through_the_deepspeed_launcher(tmp_path):
+    """The whole loop with 2 learner processes over gloo: rank 0 generates and broadcasts, both ranks train."""
+    command = train_command(tmp_path, "train.steps=2", "checkpoint.save_every=2")
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
+                str(_free_port()), command[1]] + command[2:]
+    done = run(launcher)
+    assert "2 learner rank(s)" in done.stdout
+    records = metrics(tmp_path / "quickstart")
+    assert [r["step"] for r in records] == [1, 2] and all(REQUIRED <= r.keys() for r in records)
+    ranks = sorted(p.name for p in (tmp_path / "quickstart/checkpoints/step_2/deepspeed").glob("*optim_states.pt"))
+    assert len(ranks) == 2  # ZeRO-2 partitioned the optimiser over both ranks
+
+
+@pytest.mark.slow
+def test_dapo_switches(tmp_path):
+    """Dynamic sampling, overlong shaping and masking of truncated completions, on the real server."""
+    run(train_command(tmp_path, "loss.name=dapo", "train.steps=3", "checkpoint.save_every=0",
+                      "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3", "rollout.overlong_buffer=2",
+                      "rollout.mask_truncated=true"))
+    records = metrics(tmp_path / "quickstart")
+    assert len(records) == 3
+    for r in records:
+        assert 1 <= r["rollout/rounds"] <= 3
+        # Groups whose rewards are all equal were dropped while rounds were left.
+        assert r["rollout/informative_groups_frac"] == 1.0 or r["rollout/rounds"] == 3
+        # Completions at max_tokens (4) get the full overlong penalty: trained rewards fall below raw ones.
+        assert r["reward/trained_mean"] <= r["reward/mean"] or r["response/truncated_frac"] == 0
+        assert r["rollout/trained_sequences"] <= (1 - r["response/truncated_frac"]) * 16 * 8 * r["rollout/rounds"]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -29,6 +29,9 @@ class Rollout:
     group: int  # index of its prompt in the step's batch
     reward: float = 0.0
     advantage: float = 0.0
+    # Vision-language prompts (apmpo.data.vision.VisionInputs.model_inputs), else None: pixel_values [P, D],
+    # image_grid_thw [I, 3], mm_token_type_ids [len(prompt_ids)]. prompt_ids then holds the expanded image pads.
+    mm: dict[str, Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +51,9 @@ class MicroBatch:
     weight: float = 1.0  # 0 for the dummy micro-batches that keep ranks in step
     old_logp: Tensor | None = None  # [n, L] filled by the learner before the first update
     ref_logp: Tensor | None = None
-    extras: dict = field(default_factory=dict)
+    # Forward inputs beyond ids and mask, for vision-language models: pixel_values [sum P, D] and image_grid_thw
+    # [sum I, 3] of the rows' images in row order, mm_token_type_ids [n, L] (1 at image tokens, 0 elsewhere).
+    extras: dict[str, Tensor] = field(default_factory=dict)
 
 
 def mini_batches(num_groups: int, num_steps: int, seed: int) -> list[list[int]]:
@@ -100,7 +105,10 @@ def equalize(micro: list[list[int]], count: int) -> list[list[int]]:
 
 def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_budget: int, seed: int
               ) -> list[list[list[list[int]]]]:
-    """plan[step][rank] = that rank's micro-batches (lists of rollout indices) for each optimiser step."""
+    """plan[step][rank] = that rank's micro-batches (lists of rollout indices) for each optimiser step.
+    No rollouts (all masked, e.g. every completion truncated under rollout.mask_truncated): no step."""
+    if not rollouts:
+        return []
     lengths = [r.num_tokens for r in rollouts]
     by_group: dict[int, list[int]] = {}
     for i, r in enumerate(rollouts):
@@ -132,4 +140,18 @@ def collate(rollouts: list[Rollout], indices: list[int], pad_id: int) -> MicroBa
         loss_mask[k, prompt : prompt + completion] = True
         engine_logp[k, prompt : prompt + completion] = torch.tensor(rollouts[i].engine_logprobs)
     advantages = torch.tensor([rollouts[i].advantage for i in chosen], dtype=torch.float32)
-    return MicroBatch(chosen, input_ids, attention_mask, loss_mask, advantages, engine_logp, weight)
+    return MicroBatch(chosen, input_ids, attention_mask, loss_mask, advantages, engine_logp, weight,
+                      extras=_vision_extras([rollouts[i] for i in chosen], width))
+
+
+def _vision_extras(rows: list[Rollout], width: int) -> dict[str, Tensor]:
+    """Each row's images travel with it: concatenated in row order, as the model consumes them."""
+    with_images = [r for r in rows if r.mm]
+    if not with_images:
+        return {}
+    types = torch.zeros((len(rows), width), dtype=torch.int32)
+    for k, r in enumerate(rows):
+        if r.mm:
+            types[k, : len(r.prompt_ids)] = r.mm["mm_token_type_ids"]
+    return {"pixel_values": torch.cat([r.mm["pixel_values"] for r in with_images]),
+            "image_grid_thw": torch.cat([r.mm["image_grid_thw"] for r in with_images]), "mm_token_type_ids": types}

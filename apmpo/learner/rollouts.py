@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from apmpo.config import RolloutConfig
+from apmpo.data.vision import VisionInputs
 from apmpo.learner.batching import Rollout
 from apmpo.loss import group_advantages
 
@@ -64,8 +65,11 @@ def overlong_penalty(length: int, cfg: RolloutConfig) -> float:
 
 
 def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]], samples: list[dict],
-                     score: ScoreFn, cfg: RolloutConfig, seed: int, delta: float, times: dict) -> StepRollouts:
-    """Generates and scores until the batch is full; adds the seconds spent to times["generate"|"reward"]."""
+                     score: ScoreFn, cfg: RolloutConfig, seed: int, delta: float, times: dict,
+                     vision: VisionInputs | None = None) -> StepRollouts:
+    """Generates and scores until the batch is full; adds the seconds spent to times["generate"|"reward"].
+    With `vision`, prompts' images go to the engine, and each rollout carries its prompt with expanded image
+    pads and its images' model inputs (Rollout.mm)."""
     B, G = cfg.prompts_per_step, cfg.group_size
     times.setdefault("generate", 0.0)
     times.setdefault("reward", 0.0)
@@ -75,9 +79,10 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     while len(kept) < B and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         chosen = sampler.take(B)
         tick = time.perf_counter()
+        images = [vision.image_bytes(samples[i]) for i in chosen] if vision else None
         outputs = client.generate([prompt_ids[i] for i in chosen], n=G, temperature=cfg.temperature,
                                   top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
-                                  seed=seed * 1000 + rounds)
+                                  seed=seed * 1000 + rounds, images=images)
         flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
         times["generate"] += time.perf_counter() - tick
         tick = time.perf_counter()
@@ -88,12 +93,14 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         last_round = []
         for g, i in enumerate(chosen):
             group = []
+            prompt, mm = vision.model_inputs(samples[i], prompt_ids[i]) if vision else (prompt_ids[i], {})
             for j in range(G):
                 out, reward = flat[g * G + j][1], rewards[g * G + j]
                 lengths.append(len(out.token_ids))
                 truncated += out.finish_reason == "length"
-                group.append(Rollout(prompt_ids[i], list(out.token_ids), list(out.logprobs), out.finish_reason,
-                                     group=-1, reward=reward + overlong_penalty(len(out.token_ids), cfg)))
+                group.append(Rollout(prompt, list(out.token_ids), list(out.logprobs), out.finish_reason,
+                                     group=-1, reward=reward + overlong_penalty(len(out.token_ids), cfg),
+                                     mm=mm or None))
             last_round.append(group)
             if not cfg.dynamic_sampling or len({r.reward for r in group}) > 1:
                 kept.append(group)
@@ -117,6 +124,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         "reward/failures": failures,
         "rollout/rounds": rounds,
         "rollout/groups": len(kept),
+        "rollout/trained_sequences": len(rollouts),
         "rollout/informative_groups_frac": (advantages.abs().sum(1) > 0).float().mean().item(),
     }
     return StepRollouts(rollouts, rewards, metrics)

@@ -24,7 +24,7 @@ def micro_batches(rollouts: list[Rollout], plan: list, rank: int, pad_id: int) -
 def logprobs(model, mb: MicroBatch, cfg: Config, device, with_entropy: bool = False):
     return token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device),
                           temperature=cfg.rollout.temperature, chunk_tokens=cfg.train.logprob_chunk_tokens,
-                          with_entropy=with_entropy)
+                          with_entropy=with_entropy, **{k: v.to(device) for k, v in mb.extras.items()})
 
 
 def truncated_importance_weights(mb: MicroBatch, cap: float, device) -> torch.Tensor:
@@ -89,7 +89,7 @@ def reduce_metrics(totals: dict, device, world_size: int, optimizer_steps: int) 
     if world_size > 1:
         torch_dist.all_reduce(values)
     sums = dict(zip(keys, values.tolist()))
-    weight, tokens, entropy = sums.pop("_weight"), sums.pop("_tokens"), sums.pop("policy/entropy")
+    weight, tokens, entropy = sums.pop("_weight", 0.0), sums.pop("_tokens"), sums.pop("policy/entropy")
     # Each rank's loss part is scaled by world_size (DeepSpeed averages gradients over ranks): undo it here.
-    means = {k: v / (optimizer_steps * world_size) if k in ADDITIVE else v / max(weight, 1e-12) for k, v in sums.items()}
+    means = {k: v / (max(optimizer_steps, 1) * world_size) if k in ADDITIVE else v / max(weight, 1e-12) for k, v in sums.items()}
     return {**means, "policy/entropy": entropy / max(tokens, 1.0)}
