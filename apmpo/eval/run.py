@@ -1,0 +1,217 @@
+"""The parts of `python -m apmpo.eval`: benchmarks, the resumable sample file, generation and scoring.
+
+samples.jsonl holds one line per sample, keyed by (benchmark, index, seed, sample). A sample already there is
+never generated again, so an interrupted or extended evaluation (more seeds, a larger --limit, another
+benchmark) continues where it stopped. Lines are appended per request and flushed; a line cut short by a kill
+is dropped on the next start.
+
+Seeding: sample j of problem i under eval seed s is drawn with the engine seed s * SEED_STRIDE + i * n + j, so a
+sample does not depend on which other problems share its request, and no two (seed, problem, sample) share a
+stream. Requests hold contiguous runs of problems because the server seeds prompt p of a request with
+`seed + p * n`.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from apmpo.data import BUILTIN, build_messages, load_records
+
+SEED_STRIDE = 10**9
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# The settings that decide what a sample is; a rerun into the same --out must not change them.
+GENERATION_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "system_prompt", "seed_stride")
+
+
+class EvalError(Exception):
+    """Bad input or state, reported as one line and a non-zero exit (no traceback)."""
+
+
+@dataclass(eq=False)  # compared and hashed by identity
+class Benchmark:
+    name: str  # the key in samples.jsonl and results.json
+    records: list[dict]  # apmpo.data records; each is its reward's `sample`
+    reward: str  # a registry name of apmpo.rewards: "math" | "sql" | "choice"
+
+
+def resolve_benchmarks(spec: str, *, limit: int | None = None, task: str | None = None, fields: str | None = None,
+                       db_root: str | None = None, split: str = "test",
+                       system_prompt: str | None = None) -> list[Benchmark]:
+    """`spec` is comma-separated: built-in names, local files (`NAME=PATH` names them) or hub ids (owner/name).
+
+    `task` (math | sql | choice) applies to local files and hub ids: their reward and system prompt."""
+    benchmarks = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, source = item.partition("=") if "=" in item else ("", "", item)
+        is_builtin = source in BUILTIN
+        if not is_builtin:
+            if source.lower().endswith(FILE_SUFFIXES) and not Path(source).is_file():
+                raise EvalError(f"benchmark file not found: {source}")
+            if not Path(source).is_file() and "/" not in source:
+                close = difflib.get_close_matches(source, BUILTIN, n=3, cutoff=0.5)
+                hint = f"did you mean {' or '.join(close)}? " if close else ""
+                raise EvalError(f"unknown benchmark {source!r}; {hint}built-in: {', '.join(BUILTIN)}; "
+                                "or a local .jsonl/.json/.parquet file, or a hub id (owner/name)")
+        name = name or (source if is_builtin or not Path(source).is_file() else Path(source).stem)
+        own_db = is_builtin and BUILTIN[source].db_root is not None  # built-in Spider ships its databases
+        try:
+            records = load_records(source, split=split, fields=None if is_builtin else fields,
+                                   db_root=None if own_db else db_root, system_prompt=system_prompt, limit=limit)
+        except (ValueError, KeyError, FileNotFoundError, ImportError) as error:
+            message = str(error).replace("pass db_root", "pass --db-root")
+            raise EvalError(f"benchmark {name}: {message}") from None
+        if not records:
+            raise EvalError(f"benchmark {name}: no records with a gold answer in {source}")
+        if task is not None and not is_builtin:
+            records = [_with_task(record, task, system_prompt, name) for record in records]
+        rewards = {record["task"] for record in records}
+        if len(rewards) != 1:
+            raise EvalError(f"benchmark {name}: records of several tasks {sorted(rewards)}; pass --task")
+        benchmarks.append(Benchmark(name, records, rewards.pop()))
+    if not benchmarks:
+        raise EvalError("no benchmarks given")
+    if len({b.name for b in benchmarks}) != len(benchmarks):
+        raise EvalError("a benchmark is named twice; name local files with NAME=PATH")
+    return benchmarks
+
+
+def _with_task(record: dict, task: str, system_prompt: str | None, name: str) -> dict:
+    record = {**record, "task": task}
+    try:
+        record["messages"] = build_messages(record, system_prompt)
+    except KeyError as error:
+        raise EvalError(f"benchmark {name}: --task {task} needs the field {error} in every record "
+                        "(for SQL, a db_id and --db-root)") from None
+    return record
+
+
+# --- the sample file -----------------------------------------------------------------------------------------
+
+
+Key = tuple[str, int, int, int]  # benchmark, index, seed, sample
+
+
+class SampleStore:
+    """samples.jsonl, appended per request. Keeps only what the results need in memory, not the completions."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows: dict[Key, dict] = {}
+        if path.exists():
+            _drop_cut_tail(path)
+            for row in self._read():
+                self.rows[_key(row)] = {k: row.get(k) for k in ("correct", "num_tokens", "finish_reason")}
+        self._file = open(path, "a", encoding="utf-8")
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.rows
+
+    def add(self, rows: list[dict]) -> None:
+        self._file.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        for row in rows:
+            self.rows[_key(row)] = {k: row.get(k) for k in ("correct", "num_tokens", "finish_reason")}
+
+    def select(self, benchmark: str, num_problems: int, seeds: list[int], n: int) -> list[dict]:
+        """The slim rows of one benchmark's requested samples (all must be present)."""
+        return [{"index": i, "seed": s, **self.rows[(benchmark, i, s, j)]}
+                for s in seeds for i in range(num_problems) for j in range(n)]
+
+    def completions(self, keys: set[Key]) -> dict[Key, dict]:
+        """Full rows (with the completion) for `keys`, read back from the file."""
+        self._file.flush()
+        return {key: row for row in self._read() if (key := _key(row)) in keys}
+
+    def _read(self) -> Iterator[dict]:
+        with open(self.path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError:
+                        raise EvalError(f"{self.path}:{number} is not a JSON line; fix or remove it") from None
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _key(row: dict) -> Key:
+    return row["benchmark"], row["index"], row["seed"], row["sample"]
+
+
+def _drop_cut_tail(path: Path) -> None:
+    """A kill during a write can leave a last line without its newline: drop that partial line."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def check_settings(out: Path, settings: dict) -> None:
+    """Writes out/config.json on the first run; a later run must use the same generation settings."""
+    path = out / "config.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        changed = [f"{k}: {saved.get(k)!r} -> {settings[k]!r}" for k in GENERATION_KEYS if saved.get(k) != settings[k]]
+        if changed:
+            raise EvalError(f"{out} holds samples generated with other settings ({'; '.join(changed)}); "
+                            "use another --out, or delete its samples.jsonl and config.json")
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+# --- generation and scoring ----------------------------------------------------------------------------------
+
+
+def missing_problems(store: SampleStore, name: str, num_problems: int, seed: int, n: int) -> list[int]:
+    return [i for i in range(num_problems) if any((name, i, seed, j) not in store for j in range(n))]
+
+
+def contiguous_chunks(indices: list[int], size: int) -> Iterator[list[int]]:
+    """Runs of consecutive indices, at most `size` long (the server seeds prompt p of a request as seed + p*n)."""
+    chunk: list[int] = []
+    for index in indices:
+        if chunk and (index != chunk[-1] + 1 or len(chunk) == size):
+            yield chunk
+            chunk = []
+        chunk.append(index)
+    if chunk:
+        yield chunk
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop_token_ids: tuple[int, ...]
+
+
+def generate_benchmark(client, benchmark: Benchmark, prompt_ids: list[list[int]], seed: int, n: int,
+                       sampling: Sampling, store: SampleStore, score: Callable, batch_prompts: int,
+                       on_done: Callable[[int], None] = lambda count: None) -> dict:
+    """Generates and scores the samples of `benchmark` under `seed` that `store` lacks; returns counts."""
+    todo = missing_problems(store, benchmark.name, len(benchmark.records), seed, n)
+    counts = {"prompts": 0, "samples": 0, "reward_failures": 0}
+    for chunk in contiguous_chunks(todo, batch_prompts):
+        outputs = client.generate([prompt_ids[i] for i in chunk], n=n, temperature=sampling.temperature,
+                                  top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
+                                  seed=seed * SEED_STRIDE + chunk[0] * n, stop_token_ids=list(sampling.stop_token_ids))
+        todo_samples = [(i, j, out) for i, outs in zip(chunk, outputs) for j, out in enumerate(outs)
+                        if (benchmark.name, i, seed, j) not in store]
+        scores, summary = score(benchmark.reward, [out.text for _, _, out in todo_samples],
+                                [benchmark.records[i] for i, _, _ in todo_samples])
+        store.add([{
+            "benchmark": benchmark.name, "index": i, "seed": seed, "sample": j, "id": benchmark.records[i]["id"],
+            "completion": out.text, "answer": benchmark.records[i]["answer"], "correct": reward >= 1.0,
+            "reward": reward, "num_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
+        } for (i, j, out), reward in zip(todo_samples, scores)])
+        counts["prompts"] += len(chunk)
+        counts["samples"] += len(todo_samples)
+        counts["reward_failures"] += summary["errors"] + summary["timeouts"] + summary["crashes"]
+        on_done(len(chunk))
+    return counts
