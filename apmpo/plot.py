@@ -1,0 +1,175 @@
+"""Training dynamics of one or more runs in one figure, like the paper's Figure 1: one colour per run.
+
+    python -m apmpo.plot runs/apmpo runs/grpo --out dynamics.png [--labels APMPO,GRPO] [--smooth 0.9]
+
+Panels, against the training step: (a) training reward, (b) policy entropy, (c) cumulative wall-clock time of
+the steps (the sum of `time/step`: start-up and checkpoint writes excluded), (d) APMPO's power p, (e) its
+adaptive upper clip eps_ada, (f) the feedback stability score FSS = mu_R / (sigma_R + delta). Thin lines are the
+raw per-step values, thick ones their exponential moving average (`--smooth`, debiased as TensorBoard's; 0 turns
+it off). A RUN_DIR holds metrics.jsonl (runs/<name>/, as launch/train.py writes it); the metrics.jsonl file
+itself may be passed. Legend labels: `--labels`, else the run directories' names, made distinct with the loss
+name from config.yaml or the parent folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+PANELS = [  # (metric key, title, y label)
+    ("reward/mean", "(a) Training reward", "mean reward"),
+    ("policy/entropy", "(b) Policy entropy", "entropy (nats / token)"),
+    ("time/step", "(c) Wall-clock training time", "cumulative time"),
+    ("apmpo/p", "(d) Power p", "p"),
+    ("apmpo/eps_ada", "(e) Adaptive upper clip ε_ada", "ε_ada"),
+    ("apmpo/fss", "(f) Feedback stability score", "FSS = μ / (σ + δ)"),
+]
+
+
+def read_metrics(run: Path) -> dict[int, dict]:
+    """{step: metrics} of a run directory (or its metrics.jsonl); a repeated step keeps its last line."""
+    path = run if run.is_file() else run / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run}")
+    steps = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(row, dict) and "step" in row:
+            steps[int(row["step"])] = row
+    if not steps:
+        raise ValueError(f"{path} holds no steps yet")
+    return dict(sorted(steps.items()))
+
+
+def series(metrics: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    """Steps and values of `key`, skipping steps where it is missing or not finite."""
+    points = [(s, float(m[key])) for s, m in metrics.items() if isinstance(m.get(key), (int, float))]
+    points = [(s, v) for s, v in points if math.isfinite(v)]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def ema(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average, debiased so that the first points are not pulled towards zero."""
+    out, avg = [], 0.0
+    for i, value in enumerate(values, 1):
+        avg = weight * avg + (1 - weight) * value
+        out.append(avg / (1 - weight**i) if weight > 0 else value)
+    return out
+
+
+def smoothed(values: list[float], weight: float, log_like: bool = False) -> list[float]:
+    """The EMA; `log_like` averages asinh(values) instead, so that one huge value (FSS when a batch's rewards are
+    all equal: sigma = 0) shows as a bump rather than flattening a hundred steps after it."""
+    if not log_like:
+        return ema(values, weight)
+    return [math.sinh(v) for v in ema([math.asinh(v) for v in values], weight)]
+
+
+def run_labels(runs: list[Path]) -> list[str]:
+    dirs = [run.parent if run.is_file() else run for run in runs]
+    labels = [d.resolve().name for d in dirs]
+    if len(set(labels)) == len(labels):
+        return labels
+    losses = [_loss_name(d) for d in dirs]
+    with_loss = [f"{label} ({loss})" if loss else label for label, loss in zip(labels, losses)]
+    if len(set(with_loss)) == len(with_loss):
+        return with_loss
+    return [f"{d.resolve().parent.name}/{d.resolve().name}" for d in dirs]
+
+
+def _loss_name(run_dir: Path) -> str | None:
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return None
+    import yaml  # noqa: PLC0415
+
+    loss = (yaml.safe_load(config.read_text()) or {}).get("loss") or {}
+    return loss.get("name") if isinstance(loss, dict) else None
+
+
+def time_scale(seconds: float) -> tuple[float, str]:
+    return (1.0, "s") if seconds < 180 else (60.0, "min") if seconds < 3 * 3600 else (3600.0, "h")
+
+
+def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: float = 0.9,
+         title: str | None = None, dpi: int = 130) -> Path:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    data = [read_metrics(run) for run in runs]
+    labels = labels or run_labels(runs)
+    colors = plt.get_cmap("tab10").colors
+    total_time = max((sum(series(m, "time/step")[1]) for m in data), default=0.0)
+    scale, unit = time_scale(total_time)
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.4), constrained_layout=True)
+    for ax, (key, panel_title, ylabel) in zip(axes.flat, PANELS):
+        drawn = False
+        for i, metrics in enumerate(data):
+            steps, values = series(metrics, key)
+            if not steps:
+                continue
+            color = colors[i % len(colors)]
+            if key == "time/step":
+                cumulative, total = [], 0.0
+                for value in values:
+                    total += value
+                    cumulative.append(total / scale)
+                ax.plot(steps, cumulative, color=color, linewidth=2.2)
+                ylabel = f"cumulative time ({unit})"
+            else:
+                ax.plot(steps, values, color=color, linewidth=0.8, alpha=0.35)
+                ax.plot(steps, smoothed(values, smooth, log_like=key == "apmpo/fss"), color=color, linewidth=2.2)
+            drawn = True
+        if key == "apmpo/fss" and drawn and max(max(series(m, key)[1], default=0) for m in data) > 100:
+            ax.set_yscale("symlog", linthresh=10)  # FSS explodes when a batch's rewards barely vary
+        if not drawn:
+            ax.text(0.5, 0.5, f"{key} not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(panel_title, fontsize=13)
+        ax.set_xlabel("step", fontsize=11)
+        ax.set_ylabel(ylabel, fontsize=11)
+        ax.tick_params(labelsize=10)
+        ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], color=colors[i % len(colors)], linewidth=2.5) for i in range(len(data))]
+    fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 6), fontsize=12, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=14)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m apmpo.plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories (runs/<name>)")
+    parser.add_argument("--out", type=Path, default=Path("dynamics.png"), help="image file (.png, .pdf, .svg)")
+    parser.add_argument("--labels", help="comma-separated legend labels, one per run")
+    parser.add_argument("--smooth", type=float, default=0.9, help="EMA weight in [0, 1): 0 = no smoothing")
+    parser.add_argument("--title", default=None)
+    parser.add_argument("--dpi", type=int, default=130)
+    args = parser.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else None
+    if labels and len(labels) != len(args.runs):
+        parser.error(f"{len(labels)} labels for {len(args.runs)} runs")
+    if not 0 <= args.smooth < 1:
+        parser.error("--smooth must lie in [0, 1)")
+    try:
+        out = plot(args.runs, args.out, labels, args.smooth, args.title, args.dpi)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"apmpo.plot: error: {error}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
