@@ -125,7 +125,8 @@ class FakeGenerationServer:
 
 @pytest.fixture
 def fake_server(tiny_tied, monkeypatch):
-    records = load_records("math500", limit=8) + load_records("spider", limit=6)
+    records = [r for name, limit in (("math500", 8), ("spider", 6), ("aime24", 2), ("amc23", 2))
+               for r in load_records(name, limit=limit)]
     fake = FakeGenerationServer(tiny_tied, records)
     monkeypatch.setattr(apmpo.rollout.launcher, "serve", fake.serve)
     return fake
@@ -201,6 +202,21 @@ def test_changed_sampling_settings_refuse_to_mix_into_the_same_out(tiny_tied, fa
     assert main(argv) == 0
     assert main(argv + ["--temperature", "1.0"]) == 1
     assert "temperature: 0.6 -> 1.0" in capsys.readouterr().err
+
+
+def test_table_puts_several_evaluations_in_one_table(tiny_tied, fake_server, tmp_path):
+    from apmpo.eval.table import main as table
+
+    for name, seeds in (("base", "0"), ("tuned", "0,1")):
+        assert main(["--model", str(tiny_tied), "--benchmarks", "aime24,amc23,spider", "--limit", "2", "--n", "16",
+                     "--seeds", seeds, "--out", str(tmp_path / name), "--reward-workers", "1"]) == 0
+    table([str(tmp_path / "base"), str(tmp_path / "tuned"), "--labels", "Base,APMPO", "--out", str(tmp_path / "t.md")])
+    lines = (tmp_path / "t.md").read_text().splitlines()
+    assert "| Model | AIME24 | AMC23 | Avg. |" in lines and "| Model | Spider |" in lines
+    base = next(line for line in lines if line.startswith("| Base | ") and "/" in line)
+    tuned = next(line for line in lines if line.startswith("| APMPO | ") and "/" in line)
+    assert "±" not in base and "±" in tuned  # one seed: no std; two seeds: mean ± std
+    assert base.count(" / ") == 3  # Pass@1 / Pass@16 for AIME24, AMC23 and the average
 
 
 def run_cli(*args, timeout=300):

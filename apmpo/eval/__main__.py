@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from apmpo.data import FIELD_MAPS
+from apmpo.data import FIELD_MAPS, encode_prompt
 from apmpo.eval.metrics import average, summarize_benchmark
 from apmpo.eval.run import (SEED_STRIDE, Benchmark, EvalError, SampleStore, Sampling, check_settings,
                             generate_benchmark, missing_problems, resolve_benchmarks)
@@ -188,7 +188,6 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
     from tqdm import tqdm  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from apmpo.data import encode_prompt  # noqa: PLC0415
     from apmpo.rewards import RewardPool  # noqa: PLC0415
     from apmpo.rollout.launcher import serve  # noqa: PLC0415
 
@@ -217,7 +216,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
             pending = sum(len(missing_problems(store, benchmark.name, len(benchmark.records), s, n)) for s, n in own)
             if not pending:
                 continue
-            prompt_ids = _encode(benchmark, tokenizer, info["max_model_len"], encode_prompt)
+            prompt_ids = _encode(benchmark, tokenizer, info["max_model_len"])
             total = len(benchmark.records) * len(own)
             with tqdm(total=total, initial=total - pending, desc=benchmark.name, unit="prompt",
                       dynamic_ncols=True) as bar:
@@ -234,7 +233,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
                 "stop_token_ids": list(sampling.stop_token_ids)}
 
 
-def _encode(benchmark: Benchmark, tokenizer, max_model_len: int, encode_prompt) -> list[list[int]]:
+def _encode(benchmark: Benchmark, tokenizer, max_model_len: int) -> list[list[int]]:
     ids = [encode_prompt(record, tokenizer) for record in benchmark.records]
     too_long = [i for i, prompt in enumerate(ids) if len(prompt) >= max_model_len]
     if too_long:

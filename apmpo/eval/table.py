@@ -55,9 +55,9 @@ def math_table(runs: list[tuple[str, dict]]) -> list[str]:
         avg = results.get("average") or {}
         row.append(cell(avg.get("pass@1")) + (" / " + cell(avg.get(f"pass@{k}")) if k > 1 else ""))
         rows.append(row)
-    three = ", ".join(TITLES[b] for b in PASS_AT_K_BENCHMARKS)
+    three = ", ".join(TITLES[b] for b in PASS_AT_K_BENCHMARKS if b in present)
     note = (f"{three}: Pass@1 / Pass@{k}. Avg.: mean Pass@1 over the math benchmarks shown / mean Pass@{k} over "
-            f"{three}." if k > 1 else "Pass@1; Avg.: its mean over the math benchmarks shown.")
+            f"{three}." if k > 1 and three else "Pass@1; Avg.: its mean over the math benchmarks shown.")
     return _table(header, rows) + ["", note]
 
 
@@ -105,6 +105,9 @@ def settings_line(results: dict) -> str:
 
 def render(runs: list[tuple[str, dict]], detail: bool = False) -> str:
     lines = [settings_line(runs[0][1]), ""]
+    differ = [label for label, r in runs[1:] if settings_line(r) != lines[0]]
+    if differ:
+        lines[0] = f"{runs[0][0]}: {lines[0]} Other settings in: {', '.join(differ)} (see their results.json)."
     for block in (math_table(runs), other_table(runs), diversity_table(runs)):
         if block:
             lines += block + [""]
