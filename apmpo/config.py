@@ -32,6 +32,10 @@ class ModelConfig:
     path: str = "Qwen/Qwen2.5-Math-1.5B-Instruct"  # HF hub id or local directory; "quickstart": the CPU quickstart's
     dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
     gradient_checkpointing: bool = False
+    # Vision-language models: freeze the vision encoder, train the merger (projector) and the language model.
+    # Default on: RL rewards judge the text, a few thousand diagrams are too few to retrain a 670M-parameter
+    # encoder, and freezing drops its gradients and Adam state (~8 GB at 3B scale).
+    freeze_vision_tower: bool = True
 
 
 @dataclass
@@ -43,6 +47,7 @@ class DataConfig:
     system_prompt: str | None = None  # None: the task's default (apmpo.data.SYSTEM_PROMPTS)
     max_prompt_tokens: int = 1024  # longer prompts are skipped, and counted
     db_root: str | None = None  # SQL: directory holding <db_id>/<db_id>.sqlite
+    image_root: str | None = None  # images given as relative paths: resolved here (None: the data file's folder)
     seed: int = 0  # data order; resumable
 
 

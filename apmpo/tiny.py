@@ -5,6 +5,9 @@ vLLM's CPU attention accepts (head_dim 64), with grouped-query attention like Qw
 embeddings either tied (Qwen2.5-1.5B/3B) or untied (Qwen2.5-7B).
 
     python -m apmpo.tiny /tmp/tiny --tied      # writes a loadable HF checkpoint + tokenizer
+
+Also a tiny Qwen2.5-VL (`save_tiny_vl_model`: text as above, a 2-block vision tower, an image processor built in
+code, no torchvision) and synthetic labelled diagrams with verifiable answers (`save_synthetic_diagrams`).
 """
 from __future__ import annotations
 
@@ -105,6 +108,88 @@ def save_tiny_model(
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+# Qwen2.5-VL's template, reduced: ChatML, where a content list renders its image items as the vision tokens.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def save_tiny_vl_model(out_dir: str | Path, *, seed: int = 0, max_pixels: int = 112 * 112) -> Path:
+    """A random Qwen2.5-VL (tied embeddings like the 3B; text: 2 layers, hidden 128, head_dim 64; vision: 2 blocks,
+    hidden 128) with its tokenizer (+ the vision tokens) and a PIL image processor; images are resized to at most
+    `max_pixels` (112 x 112: 64 patches, 16 image tokens)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         # M-RoPE splits head_dim / 2 = 32 rotary frequencies into (time, height, width).
+                         rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+                         bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=128,
+                           fullatt_block_indexes=[1], window_size=112, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video,
+        tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.generation_config.do_sample = False
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels).save_pretrained(out_dir)
+    return out_dir
+
+
+def save_synthetic_diagrams(out_dir: str | Path, n: int = 8, seed: int = 0) -> Path:
+    """`n` diagrams of three shapes (circle, square, triangle) at random places, each labelled with a letter, and
+    `data.jsonl` asking which shape a letter labels: rows {problem, choices (the three shapes), answer (A-C),
+    images: [file name]}, Geometry3K's multiple-choice form (`fields: choice`; images relative to the file)."""
+    import json
+    import random
+
+    from PIL import Image, ImageDraw
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n):
+        image = Image.new("RGB", (112, 112), "white")
+        draw = ImageDraw.Draw(image)
+        shapes = ["circle", "square", "triangle"]
+        rng.shuffle(shapes)
+        letters = rng.sample("ABCD", 3)
+        for (x, y), shape, letter in zip([(8, 10), (60, 10), (34, 62)], shapes, letters):
+            box = (x, y, x + 36, y + 36)
+            if shape == "circle":
+                draw.ellipse(box, outline="black", width=2)
+            elif shape == "square":
+                draw.rectangle(box, outline="black", width=2)
+            else:
+                draw.polygon([(x + 18, y), (x, y + 36), (x + 36, y + 36)], outline="black")
+            draw.text((x + 14, y + 14), letter, fill="black")
+        target = rng.randrange(3)
+        image.save(out_dir / f"diagram_{k}.png")
+        choices = ["circle", "square", "triangle"]
+        rows.append({"problem": f"<image>Which shape is labelled {letters[target]}?", "choices": choices,
+                     "answer": "ABC"[choices.index(shapes[target])], "images": [f"diagram_{k}.png"]})
+    path = out_dir / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 def main() -> None:

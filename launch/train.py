@@ -32,7 +32,7 @@ from apmpo.learner.checkpoint import (latest_checkpoint, load_checkpoint, remove
 from apmpo.learner.engine import build_engine, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.rollouts import PromptSampler, collect_rollouts
-from apmpo.learner.setup import load_prompts, prepare_model
+from apmpo.learner.setup import load_prompts, load_vision, prepare_model
 from apmpo.learner.update import micro_batches, old_and_reference_logprobs, optimize, reduce_metrics
 from apmpo.loss import adaptive_params
 from apmpo.rewards import RewardPool, get_reward
@@ -49,7 +49,8 @@ def main(cfg: Config, resume: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
     reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
-    samples, prompt_ids = load_prompts(cfg, tokenizer) if dist.is_main else ([], [])
+    vision = load_vision(model_path, tokenizer)  # None for text models
+    samples, prompt_ids = load_prompts(cfg, tokenizer, vision) if dist.is_main else ([], [])
 
     # ------------------------------------------------------------------ resume
     start_step, trainer_state = 0, {}
@@ -91,7 +92,8 @@ def main(cfg: Config, resume: str) -> None:
             # ---------------------------------------------------------- 1-4. prompts, generate, score, statistics
             if dist.is_main:
                 batch = collect_rollouts(client, sampler, prompt_ids, samples, score, cfg.rollout,
-                                         seed=cfg.train.seed * 100_003 + step, delta=cfg.loss.delta, times=times)
+                                         seed=cfg.train.seed * 100_003 + step, delta=cfg.loss.delta, times=times,
+                                         vision=vision)
                 params = adaptive_params(batch.rewards, cfg.loss)
             # ---------------------------------------------------------- 5. every rank gets the batch and the plan
             payload = [(batch.rollouts, params) if dist.is_main else None]
@@ -126,7 +128,7 @@ def main(cfg: Config, resume: str) -> None:
                                   **{f"time/{k}": v for k, v in times.items()}})
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps):
                 state = {"sampler": sampler.state_dict()} if dist.is_main else {}
-                save_checkpoint(engine, run_dir, step, state, tokenizer, dist.rank, cfg.checkpoint.keep_last,
+                save_checkpoint(engine, run_dir, step, state, vision or tokenizer, dist.rank, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.export_hf)
     if dist.is_main:
         print(f"[apmpo] done: {run_dir}", flush=True)

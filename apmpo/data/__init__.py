@@ -7,7 +7,7 @@
 A record is a plain dict, and it is also the `sample` that `apmpo.rewards` scores against:
     id, task ("math" | "sql" | "choice"), question, answer (gold, a string), messages (system + user),
     and per task: db_path, db_id, metric ("spider" | "bird") for SQL; choices for multiple choice;
-    images for Geometry3K.
+    images for Geometry3K (kept from any row that has them; vision prompts: apmpo.data.vision).
 
 Sources, tried in this order:
 - a built-in name (BUILTIN below): files shipped in apmpo/data/builtin (see its ATTRIBUTION.md);
@@ -98,7 +98,7 @@ def _olympiadbench(row: dict) -> dict:
 
 def _geometry3k(row: dict) -> dict:
     # The free-form copy keeps its R1-style instruction in the user turn; the task's system prompt
-    # replaces it (the math reward reads both \boxed{} and <answer> tags). Images come in a later issue.
+    # replaces it (the math reward reads both \boxed{} and <answer> tags). Its images are not shipped.
     content = row["messages"][-1]["content"].replace("<image>", "").strip()
     question = content.split("\n\nFirst output the thinking process")[0].strip()
     return {"task": "math", "question": question, "answer": str(row["solution"]).strip(), "images": row["images"]}
@@ -234,8 +234,12 @@ def load_records(
     db_root: str | os.PathLike | None = None,
     system_prompt: str | None = None,
     limit: int | None = None,
+    image_root: str | os.PathLike | None = None,
 ) -> list[dict]:
-    """Normalised records (see the module docstring) of a built-in name, a local file or a hub id."""
+    """Normalised records (see the module docstring) of a built-in name, a local file or a hub id.
+
+    A row's `images` (any field map) are kept; relative image paths are made absolute against `image_root`,
+    default the local dataset file's folder (apmpo.data.vision reads them)."""
     builtin = BUILTIN.get(source)
     if builtin is not None:
         rows = _read_rows(str(BUILTIN_ROOT / builtin.path), split)
@@ -257,6 +261,12 @@ def load_records(
         if record["answer"] in ("", None):
             skipped += 1  # no gold answer: such a record could only ever score 0
             continue
+        if row.get("images") and "images" not in record:
+            record["images"] = row["images"]
+        if record.get("images") and (image_root or (builtin is None and Path(source).is_file())):
+            root = Path(image_root or Path(source).parent).resolve()
+            record["images"] = [str(root / ref) if isinstance(ref, str) and not Path(ref).is_absolute() else ref
+                                for ref in record["images"]]
         if record["task"] == "sql":
             record["db_path"] = str(_db_path(record["db_id"], db_root, source))
         record["messages"] = build_messages(record, system_prompt)

@@ -62,12 +62,19 @@ def torch_dtype(cfg: Config) -> torch.dtype:
 
 
 def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = True):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg))
+    vision = hasattr(AutoConfig.from_pretrained(path), "vision_config")  # Qwen2-VL, Qwen2.5-VL
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch_dtype(cfg))
     model.to(device)
     if not trainable:
         return model.eval().requires_grad_(False)
+    if vision and cfg.model.freeze_vision_tower:
+        # The vision encoder's blocks; the merger (the projector into the language model) stays trainable.
+        tower = model.model.visual
+        for name, param in tower.named_parameters():
+            param.requires_grad_(name.startswith("merger."))
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -9,6 +9,7 @@ import torch.distributed as torch_dist
 
 from apmpo.config import Config
 from apmpo.data import encode_prompt, load_records
+from apmpo.data.vision import VisionInputs
 
 
 def prepare_model(cfg: Config, is_main: bool) -> str:
@@ -24,9 +25,19 @@ def prepare_model(cfg: Config, is_main: bool) -> str:
     return str(path)
 
 
-def load_prompts(cfg: Config, tokenizer) -> tuple[list[dict], list[list[int]]]:
+def load_vision(model_path: str, tokenizer) -> VisionInputs | None:
+    """Image processing for a vision-language model (its config has a vision_config), else None."""
+    from transformers import AutoConfig
+
+    if not hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
+        return None
+    return VisionInputs.from_pretrained(model_path, tokenizer)
+
+
+def load_prompts(cfg: Config, tokenizer, vision: VisionInputs | None = None) -> tuple[list[dict], list[list[int]]]:
     """The training records (each is also its reward's `sample`) and their prompt token ids; prompts longer
-    than data.max_prompt_tokens are dropped, and counted."""
+    than data.max_prompt_tokens are dropped, and counted. With `vision`, records with images get the engine's
+    form of the prompt (one image pad per image; the count is of that form)."""
     d = cfg.data
     if d.train == "quickstart":
         from apmpo.quickstart import make_samples
@@ -34,8 +45,8 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[dict], list[list[int]]]:
         records = make_samples(4096, seed=d.seed)
     else:
         records = load_records(d.train, split=d.split, fields=d.fields, db_root=d.db_root,
-                               system_prompt=d.system_prompt)
-    encoded = [encode_prompt(r, tokenizer) for r in records]
+                               system_prompt=d.system_prompt, image_root=d.image_root)
+    encoded = [vision.encode(r) if vision and r.get("images") else encode_prompt(r, tokenizer) for r in records]
     kept = [(r, ids) for r, ids in zip(records, encoded) if len(ids) <= d.max_prompt_tokens]
     if len(kept) < len(records):
         print(f"[apmpo] dropped {len(records) - len(kept)} of {len(records)} prompts longer than "

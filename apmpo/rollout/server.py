@@ -31,6 +31,12 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from apmpo.rollout import no_torchvision
+
+# Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
+# and they load vLLM's Qwen2-VL code too.
+no_torchvision.install()
+
 log = logging.getLogger("apmpo.rollout.server")
 
 # --- request and response models ----------------------------------------------------------------------------
@@ -49,6 +55,9 @@ class GenerateRequest(_Strict):
     max_tokens: int = Field(ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None  # prompt i uses seed + i * n, its samples seed + i * n + j
+    # Vision-language models: images[i] are prompt i's images, base64 PNG/JPEG, in the order of its image pads;
+    # the prompt holds ONE <|image_pad|> per image (the engine expands it).
+    images: list[list[str]] | None = None
 
 
 class Sample(BaseModel):
@@ -133,6 +142,8 @@ def check_generate(req: GenerateRequest, limits: Limits, max_model_len: int, voc
             fail(f"prompt {i} has a token id outside [0, {vocab_size})")
     if any(not 0 <= t < vocab_size for t in req.stop_token_ids):
         fail(f"stop_token_ids must lie in [0, {vocab_size})")
+    if req.images is not None and len(req.images) != len(req.prompts):
+        fail(f"images has {len(req.images)} entries for {len(req.prompts)} prompts")
 
 
 def _is_loopback(host: str) -> bool:
@@ -189,7 +200,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         if not engine_lock.acquire(timeout=limits.update_timeout_s):
             raise HTTPException(status_code=503, detail="engine busy with a weight update; retry")
         try:
-            outputs = compat.generate(llm, req.prompts, params)
+            outputs = compat.generate(llm, req.prompts, params, images=req.images)
             version = state["version"]
         finally:
             engine_lock.release()
@@ -211,8 +222,9 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
                 compat.collective_rpc(llm, "apmpo_receive_weights", rpc_timeout_s=limits.update_timeout_s,
                                       buckets=buckets)
             finally:
-                # Even a failed load may have changed some layers: stale cached KV must not survive either way.
-                compat.reset_prefix_cache(llm)
+                # Even a failed load may have changed some layers: stale cached KV (and image embeddings) must
+                # not survive either way.
+                compat.reset_caches(llm)
             state["version"] += 1
             return state["version"]
 
@@ -281,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-n", type=int, default=Limits.max_n)
     parser.add_argument("--max-tokens", type=int, default=Limits.max_tokens)
     parser.add_argument("--update-timeout-s", type=float, default=Limits.update_timeout_s)
+    parser.add_argument("--max-images-per-prompt", type=int, default=1, help="vision-language models only")
     args = parser.parse_args(argv)
     if args.token is None and not _is_loopback(args.host):
         parser.error(f"--token is required when serving on a non-loopback host ({args.host})")
@@ -300,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     llm = compat.build_engine(compat.EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed, enforce_eager=args.enforce_eager or not torch.cuda.is_available()))
+        seed=args.seed, enforce_eager=args.enforce_eager or not torch.cuda.is_available(),
+        max_images_per_prompt=args.max_images_per_prompt))
     limits = Limits(args.max_prompts, args.max_n, args.max_tokens, args.update_timeout_s)
     app = create_app(llm, args.model, limits, args.token)
     log.info("serving %s on http://%s:%d", args.model, args.host, args.port)

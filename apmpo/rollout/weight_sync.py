@@ -239,7 +239,9 @@ class WeightReceiverExtension:
                                            for t in b["tensors"])) for b in buckets]
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         names = {t.name for b in plan for t in b.tensors}
-        tied = getattr(self.model_runner.model_config.hf_text_config, "tie_word_embeddings", False)
+        model_config = self.model_runner.model_config  # a vision-language model sets the tie on its top config
+        tied = any(getattr(c, "tie_word_embeddings", False)
+                   for c in (model_config.hf_config, model_config.hf_text_config))
         count, waited = 0, 0.0
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -257,7 +259,8 @@ class WeightReceiverExtension:
                 # HF named_parameters() of a tied model omits lm_head.weight. The in-place reload replaces each
                 # layer's parameters, which breaks the tie, so the head must be fed explicitly or it keeps the
                 # old weights (and on CPU a stale packed copy of them).
-                if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in names:
+                # (Qwen2.5-VL's HF name is model.language_model.embed_tokens.weight; vLLM maps both.)
+                if tied and name.endswith("embed_tokens.weight") and "lm_head.weight" not in names:
                     yield "lm_head.weight", tensor
 
         start = time.perf_counter()

