@@ -18,6 +18,7 @@ Image processing is the PIL one (`Qwen2VLImageProcessorPil`): no torchvision nee
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,17 @@ from typing import Any
 import torch
 
 IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
+
+
+def is_vision_language(model: str) -> bool:
+    """Whether a checkpoint (local directory or hub id) is a vision-language model (its config has a
+    vision_config: Qwen2-VL, Qwen2.5-VL). A local config.json is read directly; a hub id goes through AutoConfig."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return "vision_config" in json.loads(config.read_text())
+    from transformers import AutoConfig
+
+    return hasattr(AutoConfig.from_pretrained(model), "vision_config")
 
 
 def load_image(ref: Any, root: str | Path | None = None):

@@ -62,9 +62,11 @@ def torch_dtype(cfg: Config) -> torch.dtype:
 
 
 def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = True):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    vision = hasattr(AutoConfig.from_pretrained(path), "vision_config")  # Qwen2-VL, Qwen2.5-VL
+    from apmpo.data.vision import is_vision_language
+
+    vision = is_vision_language(path)
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=torch_dtype(cfg))
     model.to(device)

@@ -9,7 +9,7 @@ import torch.distributed as torch_dist
 
 from apmpo.config import Config
 from apmpo.data import encode_prompt, load_records
-from apmpo.data.vision import VisionInputs
+from apmpo.data.vision import VisionInputs, is_vision_language
 
 
 def prepare_model(cfg: Config, is_main: bool) -> str:
@@ -26,12 +26,8 @@ def prepare_model(cfg: Config, is_main: bool) -> str:
 
 
 def load_vision(model_path: str, tokenizer) -> VisionInputs | None:
-    """Image processing for a vision-language model (its config has a vision_config), else None."""
-    from transformers import AutoConfig
-
-    if not hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
-        return None
-    return VisionInputs.from_pretrained(model_path, tokenizer)
+    """Image processing for a vision-language model, else None."""
+    return VisionInputs.from_pretrained(model_path, tokenizer) if is_vision_language(model_path) else None
 
 
 def load_prompts(cfg: Config, tokenizer, vision: VisionInputs | None = None) -> tuple[list[dict], list[list[int]]]:

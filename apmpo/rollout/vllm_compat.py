@@ -17,9 +17,7 @@ from __future__ import annotations
 import base64
 import importlib.metadata
 import io
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,17 +68,10 @@ class EngineArgs:
     max_images_per_prompt: int = 1  # vision-language models only; videos are always off
 
 
-def _is_vision_language(model: str) -> bool:
-    config = Path(model) / "config.json"
-    if config.is_file():
-        return "vision_config" in json.loads(config.read_text())
-    from transformers import AutoConfig  # a hub id
-
-    return hasattr(AutoConfig.from_pretrained(model), "vision_config")
-
-
 def build_engine(args: EngineArgs) -> vllm.LLM:
-    vision = _is_vision_language(args.model)
+    from apmpo.data.vision import is_vision_language
+
+    vision = is_vision_language(args.model)
     if vision and not no_torchvision.has_torchvision():
         # vLLM inspects a model class in a fresh subprocess, where the shim is not installed: registering the
         # class (imported here, shim active) makes it inspect in this process.
