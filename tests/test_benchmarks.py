@@ -1,0 +1,41 @@
+"""Every benchmark script runs to the end at a tiny size and prints its side-by-side ratio.
+
+Speed is never asserted here (the figures depend on the machine); this only keeps the scripts from rotting,
+so that the README's figures can be re-measured from any clean clone.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PERCENT, TIMES = r"\d+%", r"\d+\.\d+x"
+
+
+BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
+    "loss_overhead": (["--n", "16", "--t", "64", "--repeats", "2"], rf"apmpo .*\({TIMES}\)"),
+    "logprob_memory": (["--batch", "1", "--seq", "64", "--vocab", "1000", "--hidden", "64"],
+                       r"chunked / naive: peak \d+\.\d+, extra \d+\.\d+"),
+    "reward_throughput": ([], rf"gold-vs-wrong .* {TIMES}"),
+    "generation": (["--prompts", "4", "--n", "2", "--max-tokens", "8", "--repeats", "1"],
+                   rf"ratio server/in-process: {PERCENT}"),
+    "weight_sync": (["--layers", "1", "--repeats", "1"], rf"ratio push/raw: {PERCENT}"),
+}
+
+
+def test_every_benchmark_is_run_here():
+    assert set(BENCHMARKS) == {path.stem for path in (ROOT / "benchmarks").glob("*.py")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_benchmark_prints_its_ratio(script, capsys):
+    args, ratio = BENCHMARKS[script]
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(ratio, result.stdout), result.stdout[-3000:]
+    with capsys.disabled():  # into CI's log: the figures of this machine, at a tiny size
+        print(f"\n--- benchmarks/{script}.py {' '.join(args)}\n{result.stdout.strip()}")
