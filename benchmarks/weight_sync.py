@@ -59,15 +59,14 @@ def raw_broadcast_bytes_per_s(transport: str, nbytes: int, device: torch.device,
     return nbytes / min(times[1:])
 
 
-def push_seconds(server, named: list, transport: str, bucket_bytes: int, repeats: int) -> float:
-    """Best of `repeats` pushes after one warm-up (which also builds the group)."""
+def best_push(server, named: list, transport: str, bucket_bytes: int, repeats: int) -> dict:
+    """`client.last_push` of the fastest of `repeats` pushes after one warm-up (which also builds the group)."""
     with server.client(bucket_bytes=bucket_bytes, transport=transport) as client:
-        times = []
+        pushes = []
         for _ in range(repeats + 1):
-            start = time.perf_counter()
             client.push_weights(named)
-            times.append(time.perf_counter() - start)
-    return min(times[1:])
+            pushes.append(client.last_push)
+    return min(pushes[1:], key=lambda push: push["seconds"])
 
 
 def main() -> None:
@@ -99,7 +98,7 @@ def main() -> None:
                 chosen = select_transport(device, client.info()["device_uuids"], same_machine=True, nbytes=nbytes)
             # On CPU the automatic choice (shm) is measured beside gloo, the transport the raw baseline uses.
             for transport in dict.fromkeys([chosen, "gloo" if device.type == "cpu" else chosen]):
-                pushes[transport] = push_seconds(server, named, transport, args.bucket_mib * 2**20, args.repeats)
+                pushes[transport] = best_push(server, named, transport, args.bucket_mib * 2**20, args.repeats)
         finally:
             server.stop()
     raws = {transport: nbytes / raw_broadcast_bytes_per_s(transport, nbytes, device, args.repeats)
@@ -109,12 +108,14 @@ def main() -> None:
         return f"{nbytes / seconds / 2**30:5.2f} GiB/s ({seconds:.2f} s)"
 
     print(f"buckets of {args.bucket_mib} MiB, best of {args.repeats}; push = pack + HTTP + load into vLLM")
-    for transport, seconds in pushes.items():
-        print(f"{transport:8s}  push_weights {rate(seconds)}   raw single-tensor send {rate(raws[transport])}   "
-              f"ratio {raws[transport] / seconds:.0%}")
+    for transport, push in pushes.items():
+        print(f"{transport:8s}  push_weights {rate(push['seconds'])}   raw single-tensor send {rate(raws[transport])}   "
+              f"ratio {raws[transport] / push['seconds']:.0%}")
+        print(f"{'':8s}  of the push, vLLM's in-place reload: {push['reload_s']:.2f} s, "
+              f"{push['reload_s'] - push['wait_s']:.2f} s of it loading rather than waiting for bytes")
     baseline = "gloo" if "gloo" in raws else chosen
-    print(f"ratio push/raw: {raws[baseline] / pushes[chosen]:.0%} (push over {chosen} vs a raw {baseline} broadcast; "
-          "goal >= 80%)")
+    print(f"ratio push/raw: {raws[baseline] / pushes[chosen]['seconds']:.0%} (push over {chosen} vs a raw {baseline} "
+          "broadcast; goal >= 80%)")
 
 
 if __name__ == "__main__":

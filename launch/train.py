@@ -117,6 +117,7 @@ def main(cfg: Config, resume: str) -> None:
             tick = time.perf_counter()
             if dist.is_main:
                 client.push_weights(engine.module.named_parameters())
+                times["weight_sync_engine_load"] = client.last_push["reload_s"] - client.last_push["wait_s"]
             times["weight_sync"] = time.perf_counter() - tick
 
             # ---------------------------------------------------------- 9. log and checkpoint

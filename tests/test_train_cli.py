@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"step", "reward/mean", "reward/std", "apmpo/p", "apmpo/fss", "apmpo/eps_ada", "loss/policy",
             "loss/clip_frac_upper", "loss/clip_frac_lower", "policy/entropy", "response/length_mean",
             "response/truncated_frac", "time/generate", "time/reward", "time/logprob", "time/update",
-            "time/weight_sync", "time/step"}
+            "time/weight_sync", "time/weight_sync_engine_load", "time/step"}
 
 
 def train_command(out_dir, *overrides):

@@ -57,6 +57,7 @@ class GenerationClient:
             self._session.headers["Authorization"] = f"Bearer {token}"
         self._group: WeightGroup | None = None
         self._info: dict[str, Any] | None = None
+        self.last_push: dict[str, Any] = {}  # the last push_weights: transport, bytes, seconds, engine's reload_s/wait_s
 
     # --- HTTP ---
 
@@ -126,7 +127,9 @@ class GenerationClient:
         engine_dtype = getattr(torch, info["dtype"])
         buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
                                 for name, t in named), self.bucket_bytes)
-        group = self._group or self._join_group(named[0][1].device, info, sum(b.nbytes for b in buckets))
+        start = time.perf_counter()
+        nbytes = sum(b.nbytes for b in buckets)
+        group = self._group or self._join_group(named[0][1].device, info, nbytes)
         self._request("POST", "/weights/begin", json={"buckets": [
             {"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                                                "offset": t.offset} for t in b.tensors]} for b in buckets]},
@@ -138,8 +141,10 @@ class GenerationClient:
             raise
         finally:
             # Always ask: the answer reports the server-side error, and the server's update thread ends either way.
-            version = self._request("POST", "/weights/finish", timeout_s=self.sync_timeout_s + 60, retries=0)
-        return version["weight_version"]
+            update = self._request("POST", "/weights/finish", timeout_s=self.sync_timeout_s + 60, retries=0)
+        self.last_push = {"transport": group.transport, "bytes": nbytes, "seconds": time.perf_counter() - start,
+                          "reload_s": update["reload_s"], "wait_s": update["wait_s"]}
+        return update["weight_version"]
 
     def _join_group(self, device: torch.device, info: dict[str, Any], nbytes: int) -> WeightGroup:
         server_host = urlparse(self.url).hostname or "127.0.0.1"

@@ -112,6 +112,11 @@ class WeightVersionResponse(BaseModel):
     weight_version: int
 
 
+class WeightUpdateResponse(WeightVersionResponse):
+    reload_s: float  # in vLLM's in-place reload, slowest worker
+    wait_s: float  # of it, waiting for the learner's bytes
+
+
 # --- limits and validation (no engine needed) ---------------------------------------------------------------
 
 
@@ -216,18 +221,18 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
                                   **req.model_dump())
         return {"status": "ok"}
 
-    def run_update(buckets: list[dict], locked: threading.Event) -> int:
+    def run_update(buckets: list[dict], locked: threading.Event) -> WeightUpdateResponse:
         with engine_lock:
             locked.set()
             try:
-                compat.collective_rpc(llm, "apmpo_receive_weights", rpc_timeout_s=limits.update_timeout_s,
-                                      buckets=buckets)
+                timings = compat.collective_rpc(llm, "apmpo_receive_weights", rpc_timeout_s=limits.update_timeout_s,
+                                                buckets=buckets)
             finally:
                 # Even a failed load may have changed some layers: stale cached KV (and image embeddings) must
                 # not survive either way.
                 compat.reset_caches(llm)
             state["version"] += 1
-            return state["version"]
+            return WeightUpdateResponse(weight_version=state["version"], **max(timings, key=lambda t: t["reload_s"]))
 
     @app.post("/weights/begin", dependencies=auth)
     def begin_update(req: BeginUpdateRequest) -> dict[str, str]:
@@ -251,12 +256,12 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         return {"status": "receiving"}
 
     @app.post("/weights/finish", dependencies=auth)
-    def finish_update() -> WeightVersionResponse:
+    def finish_update() -> WeightUpdateResponse:
         future = state["update"]
         if future is None:
             raise HTTPException(409, "no weight update was begun")
         try:
-            return WeightVersionResponse(weight_version=future.result(timeout=limits.update_timeout_s + 30))
+            return future.result(timeout=limits.update_timeout_s + 30)
         except TimeoutError:
             raise HTTPException(504, "weight update still running") from None
         except Exception as error:

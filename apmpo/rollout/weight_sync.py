@@ -7,8 +7,8 @@ Transports (`select_transport` picks one; callers may override):
 - `gloo`: CPU tensors, engine on another machine. Buckets are broadcast over gloo.
 - `shm`: CPU tensors, engine on this machine. The learner packs the buckets into a file in /dev/shm that the
   workers map, and gloo carries only "bucket k is ready": the bytes never cross a socket, and the engine loads
-  straight from the mapping. (On 2 cores gloo's socket copies competed with vLLM's CPU reload for the same
-  core; this halved the push of a 0.5B model, benchmarks/weight_sync.py.)
+  straight from the mapping. (Over gloo the socket copies competed with vLLM's CPU reload for the one core
+  vLLM binds its worker to: a 0.5B push took 4.3 s over gloo and takes 2.5 s over shm, benchmarks/weight_sync.py.)
 - `nccl`: learner and engine on different GPUs or nodes. Buckets are broadcast over a NCCL group.
 - `cuda_ipc`: learner and engine share one GPU (NCCL refuses two ranks on one device). Each bucket stays in the
   learner's memory; a CUDA IPC handle goes over gloo and the worker copies from it.
@@ -309,7 +309,9 @@ class WeightReceiverExtension:
             group.close()
         self._apmpo_group = None
 
-    def apmpo_receive_weights(self, buckets: list[dict]) -> int:
+    def apmpo_receive_weights(self, buckets: list[dict]) -> dict[str, float]:
+        """Receives and loads one update; returns the seconds in vLLM's reload, and how many of them were spent
+        waiting for bytes (the rest is the engine's own loading, a floor no transport can lower)."""
         group = getattr(self, "_apmpo_group", None)
         if group is None:
             raise RuntimeError("no weight group: call init first")
@@ -343,6 +345,6 @@ class WeightReceiverExtension:
 
         start = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-        logger.info("apmpo: reloaded %d tensors in %.2f s (%.2f s of it waiting for bytes)", count,
-                    time.perf_counter() - start, waited)
-        return count
+        seconds = time.perf_counter() - start
+        logger.info("apmpo: reloaded %d tensors in %.2f s (%.2f s of it waiting for bytes)", count, seconds, waited)
+        return {"reload_s": seconds, "wait_s": waited}
