@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from apmpo.rollout.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "learner_update_worker.py"
 BIN = Path(sys.executable).parent
@@ -23,20 +25,12 @@ def run_worker(out_dir, *overrides, ranks=1):
     if ranks == 1:
         command = [sys.executable, str(WORKER), str(out_dir), *sets]
     else:
-        command = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(_free_port()),
+        command = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
                    str(WORKER), str(out_dir), *sets]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(ranks)]
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_same_step(a, b):

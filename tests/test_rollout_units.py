@@ -8,6 +8,7 @@ import torch
 from fastapi import HTTPException
 from pydantic import ValidationError
 
+from apmpo.rollout.net import is_loopback
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
 from apmpo.rollout.weight_sync import (SHM_DIR, WeightGroup, pack, plan_buckets, receive_buckets, select_transport,
                                        send_buckets, unpack)
@@ -113,6 +114,11 @@ def test_shm_not_shared_with_the_engine_is_a_clear_error_on_both_sides():
         send_buckets(group, _plan(named, 256), [t for _, t in named])
     assert "not visible to the engine" in queue.get(timeout=60)
     child.join(timeout=30)
+
+
+def test_loopback_hosts():
+    assert all(is_loopback(host) for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(is_loopback(host) for host in ("10.0.0.1", "0.0.0.0", "example.com"))
 
 
 def test_transport_choice():

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from apmpo.rollout.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"step", "reward/mean", "reward/std", "apmpo/p", "apmpo/fss", "apmpo/eps_ada", "loss/policy",
             "loss/clip_frac_upper", "loss/clip_frac_lower", "policy/entropy", "response/length_mean",
@@ -117,7 +119,7 @@ def test_two_learner_ranks_through_the_deepspeed_launcher(tmp_path):
     """The whole loop with 2 learner processes over gloo: rank 0 generates and broadcasts, both ranks train."""
     command = train_command(tmp_path, "train.steps=2", "checkpoint.save_every=2")
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
-                str(_free_port()), command[1]] + command[2:]
+                str(free_port()), command[1]] + command[2:]
     done = run(launcher)
     assert "2 learner rank(s)" in done.stdout
     records = metrics(tmp_path / "quickstart")
@@ -141,14 +143,6 @@ def test_dapo_switches(tmp_path):
         # Completions at max_tokens (4) get the full overlong penalty: trained rewards fall below raw ones.
         assert r["reward/trained_mean"] <= r["reward/mean"] or r["response/truncated_frac"] == 0
         assert r["rollout/trained_sequences"] <= (1 - r["response/truncated_frac"]) * 16 * 8 * r["rollout/rounds"]
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

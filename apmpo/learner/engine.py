@@ -34,7 +34,7 @@ def init_distributed() -> Dist:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
-        from apmpo.rollout.launcher import free_port
+        from apmpo.rollout.net import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -22,8 +22,8 @@ from urllib.parse import urlparse
 import requests
 import torch
 
-from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Transport, WeightGroup, is_loopback, plan_buckets,
-                                       select_transport, send_buckets)
+from apmpo.rollout.net import is_loopback
+from apmpo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, Transport, WeightGroup, plan_buckets, select_transport, send_buckets
 
 
 class ServerUnavailable(ConnectionError):

