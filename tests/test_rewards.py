@@ -260,13 +260,13 @@ def test_batch_scores_match_serial_scores():
     completions = [f"\\boxed{{{r['answer']}}}" for r in records[:6]] + ["\\boxed{-12345}"] * 6
     scores, summary = score_batch("math", completions, records, timeout_s=30, num_workers=2)
     assert scores == [math_reward(c, r) for c, r in zip(completions, records)] == [1.0] * 6 + [0.0] * 6
-    assert summary["errors"] == summary["timeouts"] == summary["crashes"] == 0
+    assert summary["errors"] == summary["timeouts"] == summary["crashes"] == summary["failures"] == 0
 
 
 def test_batch_errors_are_scored_zero_counted_and_logged_once(caplog):
     scores, summary = score_batch(raising_reward, ["a"] * 5, [{}] * 5, timeout_s=10, num_workers=2)
     assert scores == [0.0] * 5
-    assert summary["errors"] == 5 and summary["first_error"] == "RuntimeError: broken verifier"
+    assert summary["errors"] == summary["failures"] == 5 and summary["first_error"] == "RuntimeError: broken verifier"
     assert len([r for r in caplog.records if "broken verifier" in r.getMessage()]) == 1
 
 
@@ -277,9 +277,9 @@ def test_batch_hung_and_dead_workers_are_replaced():
         scores, summary = pool.score(sleeping_reward, completions, [{}] * 8)
         assert time.monotonic() - start < 10
         assert scores == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
-        assert summary["timeouts"] == 2
+        assert summary["timeouts"] == summary["failures"] == 2
         scores, summary = pool.score(dying_reward, completions, [{}] * 8)
-        assert scores == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and summary["crashes"] == 1
+        assert scores == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and summary["crashes"] == summary["failures"] == 1
         # The pool still works after its workers were killed and replaced.
         assert pool.score("math", ["\\boxed{2}"], [{"answer": "2"}])[0] == [1.0]
 

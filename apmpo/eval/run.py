@@ -212,6 +212,6 @@ def generate_benchmark(client, benchmark: Benchmark, prompt_ids: list[list[int]]
         } for (i, j, out), reward in zip(todo_samples, scores)])
         counts["prompts"] += len(chunk)
         counts["samples"] += len(todo_samples)
-        counts["reward_failures"] += summary["errors"] + summary["timeouts"] + summary["crashes"]
+        counts["reward_failures"] += summary["failures"]
         on_done(len(chunk))
     return counts

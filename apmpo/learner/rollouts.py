@@ -18,7 +18,7 @@ from apmpo.learner.batching import Rollout
 from apmpo.loss import group_advantages
 
 # completions, samples -> (rewards, summary): apmpo.rewards.RewardPool.score with the reward bound; crashes and
-# time-outs are scored 0 and counted in the summary ("errors", "timeouts", "crashes").
+# time-outs are scored 0 and counted in the summary ("errors", "timeouts", "crashes", their total "failures").
 ScoreFn = Callable[[list[str], list[dict]], "tuple[list[float], dict]"]
 
 
@@ -87,7 +87,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         times["generate"] += time.perf_counter() - tick
         tick = time.perf_counter()
         rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat])
-        failures += summary["errors"] + summary["timeouts"] + summary["crashes"]
+        failures += summary["failures"]
         times["reward"] += time.perf_counter() - tick
         raw_rewards += rewards
         last_round = []

@@ -10,7 +10,8 @@ only a process can be stopped. Each worker scores one item at a time; an item th
 `timeout_s` gets its worker killed and replaced, so the items after it are still scored. An item
 whose reward raises, or whose worker dies, scores 0. `summary` counts them:
 
-    {"n": 64, "errors": 1, "timeouts": 0, "crashes": 0, "first_error": "KeyError('answer')", "seconds": 0.4}
+    {"n": 64, "errors": 1, "timeouts": 0, "crashes": 0, "failures": 1, "first_error": "KeyError('answer')",
+     "seconds": 0.4}
 
 The first failure of a pool is logged once (a warning), not once per item. Workers start from a
 forkserver, never by forking the caller, which may hold CUDA or DeepSpeed state.
@@ -132,6 +133,7 @@ class RewardPool:
             for worker in self._workers:
                 if worker.conn not in busy:
                     dispatch(worker)
+        summary["failures"] = summary["errors"] + summary["timeouts"] + summary["crashes"]
         summary["seconds"] = round(time.monotonic() - start, 3)
         return scores, summary
 
