@@ -88,11 +88,12 @@ def main(cfg: Config, resume: str) -> None:
 
         for step in range(start_step + 1, cfg.train.steps + 1):
             step_start, times = time.perf_counter(), {}
+            step_seed = cfg.train.seed * 100_003 + step  # sampling and the mini-batch order, resumable
 
             # ---------------------------------------------------------- 1-4. prompts, generate, score, statistics
             if dist.is_main:
                 batch = collect_rollouts(client, sampler, prompt_ids, samples, score, cfg.rollout,
-                                         seed=cfg.train.seed * 100_003 + step, delta=cfg.loss.delta, times=times,
+                                         seed=step_seed, delta=cfg.loss.delta, times=times,
                                          vision=vision)
                 params = adaptive_params(batch.rewards, cfg.loss)
             # ---------------------------------------------------------- 5. every rank gets the batch and the plan
@@ -100,7 +101,7 @@ def main(cfg: Config, resume: str) -> None:
             torch_dist.broadcast_object_list(payload, src=0)
             rollouts, params = payload[0]
             plan = plan_step(rollouts, cfg.optimizer_steps_per_rollout // cfg.train.epochs, dist.world_size,
-                             cfg.train.micro_batch_tokens, seed=cfg.train.seed * 100_003 + step)
+                             cfg.train.micro_batch_tokens, seed=step_seed)
             micro = micro_batches(rollouts, plan, dist.rank, tokenizer.pad_token_id)
 
             # ---------------------------------------------------------- 6. old and reference log-probs
