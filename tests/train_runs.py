@@ -1,0 +1,24 @@
+"""Running `launch/train.py` the way a user does, for the end-to-end tests (a helper module, not a test)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train_command(config: str, *overrides: str) -> list[str]:
+    """`python launch/train.py --config ROOT/config --set o ...`."""
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    return [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / config), *sets]
+
+
+def run(command: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Runs from the repository root; fails the test with the end of the output unless it exits 0."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
