@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import importlib.metadata
-import io
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,9 +123,9 @@ def sampling_params(
 
 
 def _decode_images(encoded: list[str]) -> list:
-    from PIL import Image
+    from apmpo.data.vision import load_image
 
-    return [Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB") for data in encoded]
+    return [load_image(base64.b64decode(data)) for data in encoded]
 
 
 def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.SamplingParams],
