@@ -4,7 +4,6 @@ import os
 import random
 import re
 import shutil
-import sqlite3
 import sys
 import time
 
