@@ -1,18 +1,21 @@
-"""Policy losses of APMPO and its baselines (GRPO, DAPO, GMPO), as pure functions.
+"""Policy losses of APMPO and its baselines (GRPO, DAPO, GMPO, Dr. GRPO, GSPO), as pure functions.
 
-    from apmpo.loss import LossConfig, adaptive_params, group_advantages, policy_loss
+    from apmpo.loss import LossConfig, adaptive_params, advantages_for, policy_loss
 
-    cfg = LossConfig(name="apmpo")                     # or "grpo", "dapo", "gmpo"; paper defaults built in
-    advantages = group_advantages(rewards, cfg.delta)  # rewards [B, G] -> [B, G]
+    cfg = LossConfig(name="apmpo")                     # or any name in POLICY_LOSSES; paper defaults built in
+    advantages = advantages_for(rewards, cfg)          # rewards [B, G] -> [B, G], the loss's advantage rule
     params = adaptive_params(rewards, cfg)             # p, FSS, eps_ada from the step's reward statistics
     loss, metrics = policy_loss(logp, old_logp, advantages.flatten(), mask, cfg, params)
 
-The formulas are those of ../shared/SPEC.md (APMPO paper, contradictions resolved). Three concerns are kept
-apart, each one small function:
+The formulas are those of ../shared/SPEC.md (APMPO paper, contradictions resolved), and of the Dr. GRPO
+(Liu et al. 2025) and GSPO (Zheng et al. 2025) papers. Three concerns are kept apart, each one small function:
 
-1. the per-token objective: the sign-aware clip of the log-ratio (`clipped_log_ratio`);
+1. the per-token objective: the sign-aware clip of the log-ratio (`clip_bounds`, applied in `_clip`);
 2. how tokens become a sequence value: the power mean in log space (`power_mean`);
 3. how values are reduced over sequences and tokens, with global normalisers (`_reduce`).
+
+`POLICY_LOSSES` is the one place that knows a loss: one `PolicyLoss` entry holds its function, its rules
+for p and eps_ada, its advantage rule and its clip defaults. Adding a loss is a function and an entry.
 
 Everything runs in fp32 whatever the input dtype, with no Python loop over tokens or sequences, and no
 host synchronisation except where documented (`power_mean` inspects `p` on the host when it is a CPU
@@ -32,10 +35,11 @@ __all__ = [
     "AdaptiveParams",
     "adaptive_params",
     "group_advantages",
-    "clipped_log_ratio",
+    "advantages_for",
     "power_mean",
     "policy_loss",
     "kl_penalty",
+    "PolicyLoss",
     "POLICY_LOSSES",
 ]
 
@@ -50,11 +54,11 @@ def _upcast(x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Hyper-parameters of the policy loss. Defaults are the paper's (SPEC.md §2-4)."""
+    """Hyper-parameters of the policy loss. Defaults are the papers' (SPEC.md §2-4; per loss: `POLICY_LOSSES`)."""
 
-    name: Literal["apmpo", "grpo", "dapo", "gmpo"] = "apmpo"
-    eps_low: float = 0.2  # fixed lower clip: ratio >= 1 - eps_low (all but gmpo)
-    eps_high: float | None = None  # fixed upper clip: grpo 0.2, dapo 0.28; apmpo uses it when fac=False
+    name: str = "apmpo"  # a key of POLICY_LOSSES
+    eps_low: float | None = None  # fixed lower clip: ratio >= 1 - eps_low (all but gmpo); None: the loss's default
+    eps_high: float | None = None  # fixed upper clip (dapo 0.28, gspo 4e-4); apmpo uses it when fac=False
     eps_min: float = 0.2  # FAC: eps_ada = eps_min + (eps_max - eps_min) * tanh(FSS)
     eps_max: float = 0.4
     gamma: float = 0.8  # PMPO: p = exp(-gamma * mu_R)  (or 1 - gamma * mu_R for p_schedule="linear")
@@ -68,13 +72,21 @@ class LossConfig:
     gmpo_clip: float = 0.4  # GMPO clips the log-ratio to [-gmpo_clip, gmpo_clip], sign-aware
     kl_beta: float = 0.001  # weight of KL(pi_theta || pi_ref); 0 means no reference model at all
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    # Dr. GRPO's constant: its loss is the sum of all token terms / (num_seqs * token_budget). Set it to the
+    # generation budget (rollout.max_tokens), as TRL divides by max_completion_length.
+    token_budget: int | None = None
 
     def __post_init__(self):
-        # The one default that differs by method: DAPO's clip-higher.
-        if self.eps_high is None:
-            object.__setattr__(self, "eps_high", 0.28 if self.name == "dapo" else 0.2)
+        if self.name not in POLICY_LOSSES:
+            raise ValueError(f"loss.name must be one of {list(POLICY_LOSSES)}, got {self.name!r}")
+        entry = POLICY_LOSSES[self.name]
+        for key in ("eps_low", "eps_high"):  # the loss's own defaults
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, getattr(entry, key))
+        if entry.needs_token_budget and (self.token_budget is None or self.token_budget <= 0):
+            raise ValueError(f"loss.name={self.name!r} needs loss.token_budget > 0 (the generation budget per "
+                             f"sequence, e.g. rollout.max_tokens), got {self.token_budget}")
         choices = {
-            "name": POLICY_LOSSES.keys(),
             "p_schedule": ("exp", "linear"),
             "fss": ("full", "mu_only", "sigma_only"),
             "clip_mode": ("asymmetric", "symmetric"),
@@ -115,26 +127,33 @@ class AdaptiveParams:
         return AdaptiveParams(*(getattr(self, f.name)[group_index] for f in fields(self)))
 
 
-def group_advantages(rewards: Tensor, delta: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, delta: float = 1e-6, std: bool = True) -> Tensor:
     """A_i = (R_i - mean_g R) / (std_g R + delta) within each group; all-equal groups get exactly 0.
 
     rewards: [B, G] (B prompts x G samples). Population std. Returns fp32 [B, G].
+    std=False: A_i = R_i - mean_g R, Dr. GRPO's advantage (no division by the group's std).
     """
     _check_rewards(rewards)
     r = rewards.float()
-    mean = r.mean(dim=1, keepdim=True)
-    std = r.std(dim=1, unbiased=False, keepdim=True)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if std:
+        centred = centred / (r.std(dim=1, unbiased=False, keepdim=True) + delta)
     # An all-equal group can round to a tiny non-zero R - mean, which delta would blow up: force 0.
     all_equal = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
-    return torch.where(all_equal, torch.zeros_like(r), (r - mean) / (std + delta))
+    return torch.where(all_equal, torch.zeros_like(r), centred)
+
+
+def advantages_for(rewards: Tensor, cfg: LossConfig) -> Tensor:
+    """The group advantages [B, G] that cfg's loss trains on (std-normalised or not, see `PolicyLoss`)."""
+    return group_advantages(rewards, cfg.delta, POLICY_LOSSES[cfg.name].std_advantages)
 
 
 def adaptive_params(rewards: Tensor, cfg: LossConfig) -> AdaptiveParams:
-    """p, FSS and eps_ada (SPEC §2) from the step's rewards [B, G].
+    """p, FSS and eps_ada (SPEC §2) from the step's rewards [B, G], by the rules of cfg's `PolicyLoss`.
 
     Batch scope reduces over all B*G rewards: pass the rewards of every data-parallel rank, so all ranks
-    derive the same numbers. For grpo/dapo/gmpo, p and eps_ada report what those losses use (p=1 for the
-    arithmetic mean, p=0 for GMPO's geometric one; their fixed upper clip).
+    derive the same numbers. For the fixed-rule losses, p and eps_ada report what those losses use (p=1 for
+    the arithmetic mean, p=0 for the geometric one of GMPO and GSPO; their fixed upper clip).
     """
     _check_rewards(rewards)
     r = rewards.float().detach()
@@ -149,18 +168,44 @@ def adaptive_params(rewards: Tensor, cfg: LossConfig) -> AdaptiveParams:
     else:
         fss = 1.0 / (sigma + cfg.delta)
 
-    if cfg.name == "apmpo" and cfg.pmpo:
-        p = torch.exp(-cfg.gamma * mu) if cfg.p_schedule == "exp" else 1.0 - cfg.gamma * mu
-    else:
-        p = torch.full_like(mu, 0.0 if cfg.name == "gmpo" else 1.0)
+    entry = POLICY_LOSSES[cfg.name]
+    p, eps_ada = entry.p(mu, cfg), entry.eps(fss, cfg)
+    return AdaptiveParams(p=_like(p, mu), eps_ada=_like(eps_ada, mu), fss=fss, mu=mu, sigma=sigma)
 
-    if cfg.name == "apmpo" and cfg.fac:
-        eps_ada = cfg.eps_min + (cfg.eps_max - cfg.eps_min) * torch.tanh(fss)
-    elif cfg.name == "gmpo":
-        eps_ada = torch.full_like(mu, math.expm1(cfg.gmpo_clip))
-    else:
-        eps_ada = torch.full_like(mu, cfg.eps_high)
-    return AdaptiveParams(p=p, eps_ada=eps_ada, fss=fss, mu=mu, sigma=sigma)
+
+def _like(value: Tensor | float, mu: Tensor) -> Tensor:
+    """A rule's value as a tensor of mu's shape: fixed rules return a float."""
+    return value if isinstance(value, Tensor) else torch.full_like(mu, value)
+
+
+# The rules for p (from mu_R) and eps_ada (from FSS): APMPO's adaptive ones, which its ablation switches turn
+# into fixed ones, and the fixed ones of the baselines.
+
+
+def _pmpo_p(mu: Tensor, cfg: LossConfig) -> Tensor | float:
+    if not cfg.pmpo:
+        return 1.0
+    return torch.exp(-cfg.gamma * mu) if cfg.p_schedule == "exp" else 1.0 - cfg.gamma * mu
+
+
+def _fac_eps(fss: Tensor, cfg: LossConfig) -> Tensor | float:
+    return cfg.eps_min + (cfg.eps_max - cfg.eps_min) * torch.tanh(fss) if cfg.fac else cfg.eps_high
+
+
+def _arithmetic(mu: Tensor, cfg: LossConfig) -> float:
+    return 1.0
+
+
+def _geometric(mu: Tensor, cfg: LossConfig) -> float:
+    return 0.0
+
+
+def _fixed_eps(fss: Tensor, cfg: LossConfig) -> float:
+    return cfg.eps_high
+
+
+def _gmpo_eps(fss: Tensor, cfg: LossConfig) -> float:
+    return math.expm1(cfg.gmpo_clip)  # the ratio bound of GMPO's log-space clip
 
 
 # --------------------------------------------------------------------------- per-token objective
@@ -176,13 +221,6 @@ def clip_bounds(advantages: Tensor, log_lo: Tensor | float, log_hi: Tensor | flo
     lo = torch.where(a > 0, -math.inf, torch.where(a < 0, torch.as_tensor(log_lo, dtype=a.dtype, device=a.device), 0.0))
     hi = torch.where(a < 0, math.inf, torch.where(a > 0, torch.as_tensor(log_hi, dtype=a.dtype, device=a.device), 0.0))
     return lo, hi
-
-
-def clipped_log_ratio(log_ratio: Tensor, advantages: Tensor, log_lo: Tensor | float, log_hi: Tensor | float) -> Tensor:
-    """log rho', the log of the effective ratio after the sign-aware clip (see `clip_bounds`). Clipped tokens
-    get zero gradient, exactly as PPO clipping does."""
-    lo, hi = clip_bounds(advantages, log_lo, log_hi)
-    return log_ratio.clamp(lo, hi)
 
 
 # --------------------------------------------------------------------------- tokens -> sequence value
@@ -272,38 +310,69 @@ def _reduce(values: Tensor, normalizer: Tensor | float | None, default: Tensor |
 LossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
 
 
-def _clip(logp, old_logp, advantages, mask, log_lo, log_hi):
-    """log-ratio l = log pi_theta - log pi_old (at least fp32), log rho' after the sign-aware clip, the float
-    mask, and the clip metrics."""
+def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """l = log pi_theta - log pi_old (at least fp32) and the mask as floats of the same dtype."""
     log_ratio = _upcast(logp) - _upcast(old_logp)
+    return log_ratio, mask.to(log_ratio.dtype)
+
+
+def _clip(log_ratio, advantages, maskf, log_lo, log_hi):
+    """log rho' = the log-ratio after the sign-aware clip (clipped entries get no gradient, as PPO's clip),
+    and the clip metrics."""
     lo, hi = clip_bounds(advantages, log_lo, log_hi)
-    log_rho = log_ratio.clamp(lo, hi)
-    maskf = mask.to(log_ratio.dtype)
-    return log_ratio, log_rho, maskf, _clip_metrics(log_ratio, advantages, maskf, lo, hi)
+    return log_ratio.clamp(lo, hi), _clip_metrics(log_ratio, advantages, maskf, lo, hi)
 
 
 def _fixed_log_bounds(cfg: LossConfig) -> tuple[float, float]:
     return math.log1p(-cfg.eps_low), math.log1p(cfg.eps_high)
 
 
+def _ppo_token_sums(logp, old_logp, advantages, mask, cfg):
+    """sum_t min(r A, clip(r, 1-eps_low, 1+eps_high) A) per sequence [N], the float mask and the clip metrics:
+    the token objective of GRPO, DAPO and Dr. GRPO, which differ only in how they reduce it."""
+    log_ratio, maskf = _log_ratio(logp, old_logp, mask)
+    log_rho, metrics = _clip(log_ratio, advantages, maskf, *_fixed_log_bounds(cfg))
+    return advantages * masked_row_sum(torch.exp(log_rho), maskf), maskf, metrics
+
+
 def grpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
     """GRPO: min(r A, clip(r, 1-eps_low, 1+eps_high) A), mean over each sequence's tokens, then over sequences."""
-    _, log_rho, maskf, metrics = _clip(logp, old_logp, advantages, mask, *_fixed_log_bounds(cfg))
-    per_seq = advantages * masked_row_sum(torch.exp(log_rho), maskf) / maskf.sum(-1)
+    token_sums, maskf, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg)
+    per_seq = token_sums / maskf.sum(-1)
     return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
 
 
 def dapo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
     """DAPO: the same clipped token objective (clip-higher 0.28), averaged over all tokens of the batch."""
-    _, log_rho, maskf, metrics = _clip(logp, old_logp, advantages, mask, *_fixed_log_bounds(cfg))
-    token_sums = advantages * masked_row_sum(torch.exp(log_rho), maskf)
+    token_sums, maskf, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg)
     return -_reduce(token_sums, num_tokens, maskf.sum()), metrics
+
+
+def dr_grpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+    """Dr. GRPO: the same clipped token objective summed over all tokens of the batch and divided by a constant,
+    num_seqs * cfg.token_budget (no length normalisation); its advantages are not divided by the group's std."""
+    token_sums, _, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg)
+    return -_reduce(token_sums, num_seqs, token_sums.numel()) / cfg.token_budget, metrics
 
 
 def gmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
     """GMPO: log-ratio clipped sign-aware to [-c, c], sequence ratio exp(mean_t), objective A * ratio."""
-    _, log_rho, maskf, metrics = _clip(logp, old_logp, advantages, mask, -cfg.gmpo_clip, cfg.gmpo_clip)
+    log_ratio, maskf = _log_ratio(logp, old_logp, mask)
+    log_rho, metrics = _clip(log_ratio, advantages, maskf, -cfg.gmpo_clip, cfg.gmpo_clip)
     per_seq = advantages * torch.exp(masked_row_sum(log_rho, maskf) / maskf.sum(-1))
+    return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
+
+
+def gspo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+    """GSPO: sequence ratio s = exp(mean_t l), min(s A, clip(s, 1-eps_low, 1+eps_high) A), mean over sequences.
+
+    The clip acts on the whole sequence (GSPO's eps: 3e-4, 4e-4). Its metrics are those of s, counted on
+    every token of the sequence: clip fractions are the share of tokens in clipped sequences.
+    """
+    log_ratio, maskf = _log_ratio(logp, old_logp, mask)
+    log_s = (masked_row_sum(log_ratio, maskf) / maskf.sum(-1)).unsqueeze(-1).expand_as(log_ratio)
+    log_s, metrics = _clip(log_s, advantages, maskf, *_fixed_log_bounds(cfg))
+    per_seq = advantages * torch.exp(log_s[:, 0])
     return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
 
 
@@ -315,14 +384,39 @@ def apmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, 
     eps_ada = params.eps_ada.to(device=logp.device, dtype=torch.promote_types(logp.dtype, torch.float32))
     eps_ada = eps_ada.unsqueeze(-1) if eps_ada.dim() == 1 else eps_ada
     log_lo = torch.log1p(-eps_ada) if cfg.clip_mode == "symmetric" else math.log1p(-cfg.eps_low)
-    _, log_rho, maskf, metrics = _clip(logp, old_logp, advantages, mask, log_lo, torch.log1p(eps_ada))
+    log_ratio, maskf = _log_ratio(logp, old_logp, mask)
+    log_rho, metrics = _clip(log_ratio, advantages, maskf, log_lo, torch.log1p(eps_ada))
     per_seq = advantages * torch.exp(power_mean(log_rho, maskf, params.p))
-    loss = -_reduce(per_seq, num_seqs, per_seq.numel())
-    metrics.update({"apmpo/p": params.p, "apmpo/eps_ada": params.eps_ada, "apmpo/fss": params.fss})
-    return loss, metrics
+    return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
 
 
-POLICY_LOSSES: dict[str, LossFn] = {"apmpo": apmpo_loss, "grpo": grpo_loss, "dapo": dapo_loss, "gmpo": gmpo_loss}
+# (mu_R or FSS, cfg) -> the value for the step: a tensor like mu_R, or a float for a fixed rule.
+Rule = Callable[[Tensor, LossConfig], "Tensor | float"]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """Everything that makes one loss: its function, how it sets p and eps_ada, its advantages, its defaults."""
+
+    fn: LossFn
+    p: Rule  # mu_R -> the power of its sequence mean (1 arithmetic, 0 geometric); reported as apmpo/p
+    eps: Rule  # FSS -> its upper clip, ratio <= 1 + eps_ada; reported as apmpo/eps_ada
+    eps_low: float = 0.2  # default of LossConfig.eps_low
+    eps_high: float = 0.2  # default of LossConfig.eps_high
+    std_advantages: bool = True  # A = (R - mean_g) / (std_g + delta); False: A = R - mean_g
+    needs_token_budget: bool = False  # divides by LossConfig.token_budget, which must then be set
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "apmpo": PolicyLoss(apmpo_loss, p=_pmpo_p, eps=_fac_eps),
+    "grpo": PolicyLoss(grpo_loss, p=_arithmetic, eps=_fixed_eps),
+    "dapo": PolicyLoss(dapo_loss, p=_arithmetic, eps=_fixed_eps, eps_high=0.28),
+    "gmpo": PolicyLoss(gmpo_loss, p=_geometric, eps=_gmpo_eps),
+    # Liu et al. 2025, "Understanding R1-Zero-Like Training": GRPO without its length and std normalisations.
+    "dr_grpo": PolicyLoss(dr_grpo_loss, p=_arithmetic, eps=_fixed_eps, std_advantages=False, needs_token_budget=True),
+    # Zheng et al. 2025, "Group Sequence Policy Optimization": the paper's clip range (3e-4, 4e-4).
+    "gspo": PolicyLoss(gspo_loss, p=_geometric, eps=_fixed_eps, eps_low=3e-4, eps_high=4e-4),
+}
 
 
 def policy_loss(
@@ -345,19 +439,18 @@ def policy_loss(
     ref_logp: [N, T] reference log-probs; with cfg.kl_beta > 0 the loss includes kl_beta * KL.
     num_seqs, num_tokens: global counts of the optimisation batch when this call sees one micro-batch of it
     (sequence-mean losses use num_seqs, DAPO's token mean num_tokens); default: this call's own counts.
+    Metrics: loss/total (the returned loss), loss/policy (its policy term), loss/kl (KL, without beta).
     """
     _check_inputs(logp, old_logp, advantages, mask, params, ref_logp)
-    loss, metrics = POLICY_LOSSES[cfg.name](
+    loss, metrics = POLICY_LOSSES[cfg.name].fn(
         logp, old_logp, _upcast(advantages), mask, cfg, params, num_seqs=num_seqs, num_tokens=num_tokens
     )
+    metrics["loss/policy"] = loss
     if ref_logp is not None and cfg.kl_beta > 0:
         kl = kl_penalty(logp, ref_logp, mask, cfg, num_seqs=num_seqs)
         loss = loss + cfg.kl_beta * kl
         metrics["loss/kl"] = kl
-    metrics["loss/policy"] = loss
-    metrics.setdefault("apmpo/p", params.p)
-    metrics.setdefault("apmpo/eps_ada", params.eps_ada)
-    metrics.setdefault("apmpo/fss", params.fss)
+    metrics.update({"loss/total": loss, "apmpo/p": params.p, "apmpo/eps_ada": params.eps_ada, "apmpo/fss": params.fss})
     return loss, {key: value.detach().float().mean() for key, value in metrics.items()}
 
 

@@ -10,15 +10,22 @@ import pytest
 import torch
 
 from apmpo.loss import (
+    POLICY_LOSSES,
     SMALL_P,
     AdaptiveParams,
     LossConfig,
+    PolicyLoss,
     adaptive_params,
+    advantages_for,
     group_advantages,
     kl_penalty,
     policy_loss,
     power_mean,
 )
+
+# Every registered loss; Dr. GRPO needs its constant (the other losses ignore it).
+ALL_LOSSES = list(POLICY_LOSSES)
+BUDGET = 32
 
 # --------------------------------------------------------------------------- the reference
 
@@ -90,6 +97,58 @@ def kernel_value_and_grad(logp, old, adv, mask, cfg, params):
 def reference_value_and_grad(logp, old, adv, mask, **kw):
     x = logp.detach().clone().double().requires_grad_(True)
     J = reference_objective(x, old.double(), adv.tolist(), mask.tolist(), **kw)
+    (-J).backward()
+    return -J.detach(), x.grad
+
+
+def reference_dr_grpo(logp, old_logp, adv, mask, eps_low, eps_high, budget):
+    """Dr. GRPO (Liu et al. 2025, Eq. 3 and its code): GRPO's token term, summed over every token of every
+    sequence with no 1/|o_i|, divided by the constant N * budget (TRL: batch size * max_completion_length)."""
+    N, T = logp.shape
+    total = torch.zeros((), dtype=logp.dtype)
+    for i in range(N):
+        for t in range(T):
+            if mask[i][t]:
+                r = torch.exp(logp[i, t] - old_logp[i, t])
+                total = total + torch.minimum(r * adv[i], torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv[i])
+    return total / (N * budget)
+
+
+def reference_gspo(logp, old_logp, adv, mask, eps_low, eps_high):
+    """GSPO (Zheng et al. 2025, Eq. 5-7): s_i = (prod_t r_i,t)^(1/|o_i|), the sequence's importance ratio;
+    J = (1/N) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i). Products of ratios, not log means."""
+    N, T = logp.shape
+    J = torch.zeros((), dtype=logp.dtype)
+    for i in range(N):
+        toks = [t for t in range(T) if mask[i][t]]
+        prod = torch.ones((), dtype=logp.dtype)
+        for t in toks:
+            prod = prod * torch.exp(logp[i, t] - old_logp[i, t])
+        s = prod ** (1 / len(toks))
+        J = J + torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv[i])
+    return J / N
+
+
+def reference_gspo_token(logp, old_logp, adv, mask, eps_low, eps_high):
+    """GSPO-token (Zheng et al. 2025, Eq. 13-14): s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)], token terms averaged
+    over each sequence. With one advantage per sequence its value and gradient are GSPO's."""
+    N, T = logp.shape
+    J = torch.zeros((), dtype=logp.dtype)
+    for i in range(N):
+        toks = [t for t in range(T) if mask[i][t]]
+        s = torch.exp(sum(logp[i, t] - old_logp[i, t] for t in toks) / len(toks)).detach()
+        U = []
+        for t in toks:
+            s_t = s * torch.exp(logp[i, t] - logp[i, t].detach())
+            U.append(torch.minimum(s_t * adv[i], torch.clamp(s_t, 1 - eps_low, 1 + eps_high) * adv[i]))
+        J = J + sum(U) / len(U)
+    return J / N
+
+
+def reference_grad(objective, logp, old, adv, mask, *args):
+    """-J of a reference objective and its gradient, in float64."""
+    x = logp.detach().clone().double().requires_grad_(True)
+    J = objective(x, old.double(), adv.double().tolist(), mask.tolist(), *args)
     (-J).backward()
     return -J.detach(), x.grad
 
@@ -196,6 +255,99 @@ def test_paper_defaults_by_name():
         LossConfig(name="ppo")
 
 
+def test_hand_dr_grpo():
+    # One group, rewards [1, 0]: Dr. GRPO's advantage is R - mean = [0.5, -0.5] (GRPO's would be [1, -1]).
+    # Seq 0 (A = 0.5): r = [1.1, 1.5]  -> min(r, 1.2) A = [0.55, 0.6],  token sum 1.15.
+    # Seq 1 (A = -0.5): r = [0.5, 1.0] -> max(r, 0.8) A = [-0.4, -0.5], token sum -0.9.
+    # J = (1.15 - 0.9) / (N * budget) = 0.25 / (2 * 4) = 0.03125; loss = -0.03125.
+    # Gradient of the loss, -A r / (N budget) where unclipped: (0,0): -0.5 * 1.1 / 8 = -0.06875; (1,1): +0.5 / 8
+    # = +0.0625; (0,1) and (1,0) clipped -> 0. No 1/|o_i|: a longer sequence would not scale these down.
+    cfg = LossConfig(name="dr_grpo", token_budget=4)
+    adv = advantages_for(torch.tensor([[1.0, 0.0]]), cfg).flatten().double()  # fp64: exact clip bounds too
+    assert adv.tolist() == [0.5, -0.5]
+    logp = torch.log(torch.tensor([[1.1, 1.5], [0.5, 1.0]], dtype=torch.float64)).requires_grad_(True)
+    loss, m = policy_loss(logp, torch.zeros(2, 2, dtype=torch.float64), adv, torch.ones(2, 2), cfg,
+                          adaptive_params(torch.tensor([[1.0, 0.0]]), cfg))
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.03125, abs=1e-12)
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.06875, 0.0, 0.0, 0.0625], abs=1e-12)
+    assert (m["loss/clip_frac_upper"].item(), m["loss/clip_frac_lower"].item()) == (0.25, 0.25)
+
+
+def test_hand_dr_grpo_advantages_are_not_std_normalised():
+    # [1, 0, 0, 0]: mean 0.25 -> [0.75, -0.25, -0.25, -0.25] (GRPO: / 0.4330137 -> 1.7320468, -0.5773489);
+    # [0.1] * 4 is all-equal: exactly 0 although 0.1 - mean(0.1 x 4) rounds to a tiny non-zero in fp32.
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1]])
+    adv = advantages_for(rewards, LossConfig(name="dr_grpo", token_budget=1))
+    assert adv.tolist() == [[0.75, -0.25, -0.25, -0.25], [0.0, 0.0, 0.0, 0.0]]
+    for name in ("apmpo", "grpo", "dapo", "gmpo", "gspo"):
+        torch.testing.assert_close(advantages_for(rewards, LossConfig(name=name)), group_advantages(rewards))
+
+
+def test_hand_gspo():
+    # GSPO's defaults clip the sequence ratio s to [1 - 3e-4, 1 + 4e-4]. Log-ratios l = logp - old:
+    # seq 0, A = +1, l = [1e-4, 3e-4]:  log s = 2e-4,  s = e^2e-4 = 1.0002000200 <= 1.0004: kept, J_0 = 1.00020002;
+    # seq 1, A = -1, l = [-2e-4, -6e-4]: log s = -4e-4, s = 0.99960008 < 0.9997: A < 0 takes max(s, 0.9997),
+    #   clipped, J_1 = -0.9997;
+    # seq 2, A = +2, l = [1e-3]: s = 1.0010005 > 1.0004: clipped, J_2 = 2 * 1.0004 = 2.0008.
+    # J = (1.00020002 - 0.9997 + 2.0008) / 3 = 2.00130002 / 3 = 0.66710001; loss = -0.66710001.
+    # Gradient: only seq 0, dJ/dl_t = A s / (N |o_0|) = 1.00020002 / 6 = 0.16670000 -> loss grad -0.16670000.
+    # Clip fractions count tokens of clipped sequences: lower 2 of 5 tokens, upper 1 of 5.
+    cfg = LossConfig(name="gspo")
+    assert (cfg.eps_low, cfg.eps_high) == (3e-4, 4e-4)
+    logp = torch.tensor([[1e-4, 3e-4], [-2e-4, -6e-4], [1e-3, 0.0]], dtype=torch.float64).requires_grad_(True)
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
+    adv = torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64)
+    loss, m = policy_loss(logp, torch.zeros(3, 2, dtype=torch.float64), adv, mask, cfg, params_for(0.0, 4e-4))
+    loss.backward()
+    want = (math.exp(2e-4) - 0.9997 + 2.0008) / 3
+    assert want == pytest.approx(0.66710001, abs=1e-8)
+    assert loss.item() == pytest.approx(-want, abs=1e-12)
+    assert logp.grad.flatten().tolist() == pytest.approx([-math.exp(2e-4) / 6] * 2 + [0.0] * 4, abs=1e-12)
+    assert logp.grad[0, 0].item() == pytest.approx(-0.16670000, abs=1e-8)
+    assert (m["loss/clip_frac_lower"].item(), m["loss/clip_frac_upper"].item()) == pytest.approx((0.4, 0.2))
+
+
+def test_registry_defaults_and_rules():
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    # GSPO: the geometric sequence mean (p = 0) and its tiny fixed clip; Dr. GRPO: GRPO's p = 1 and eps 0.2.
+    gspo = adaptive_params(rewards, LossConfig(name="gspo"))
+    assert (gspo.p.item(), gspo.eps_ada.item()) == (0.0, pytest.approx(4e-4))
+    dr = adaptive_params(rewards, LossConfig(name="dr_grpo", token_budget=8))
+    assert (dr.p.item(), dr.eps_ada.item()) == (1.0, pytest.approx(0.2))
+    assert LossConfig(name="gspo", eps_high=1e-3).eps_high == 1e-3  # an explicit value beats the default
+    with pytest.raises(ValueError, match=r"loss.name must be one of \['apmpo', 'grpo', 'dapo', 'gmpo', "
+                       r"'dr_grpo', 'gspo'\], got 'nope'"):
+        LossConfig(name="nope")
+    with pytest.raises(ValueError, match=r"loss.name='dr_grpo' needs loss.token_budget > 0"):
+        LossConfig(name="dr_grpo")
+
+
+def test_a_new_loss_is_one_function_and_one_entry(monkeypatch):
+    # REINFORCE with the sequence's mean log-prob: registered at run time, it is a valid name, its rules set
+    # p and eps_ada, its advantage rule and its defaults apply, and policy_loss dispatches to it.
+    def reinforce(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+        maskf = mask.to(logp.dtype)
+        return -(advantages * (logp * maskf).sum(-1) / maskf.sum(-1)).mean(), {}
+
+    entry = PolicyLoss(reinforce, p=lambda mu, cfg: 2 * mu, eps=lambda fss, cfg: 0.5, eps_low=0.1,
+                       std_advantages=False)
+    monkeypatch.setitem(POLICY_LOSSES, "reinforce", entry)
+    cfg = LossConfig(name="reinforce")
+    assert cfg.eps_low == 0.1
+    # rewards [[1, 0]]: mu = 0.5 -> p = 2 mu = 1; advantages R - mean = [0.5, -0.5];
+    # loss = -mean(0.5 * mean(log 0.5, log 0.5), -0.5 * log 0.25) = -(0.5 * -0.6931472 + 0.5 * 1.3862944) / 2
+    # = -0.1732868.
+    rewards = torch.tensor([[1.0, 0.0]])
+    params = adaptive_params(rewards, cfg)
+    assert (params.p.item(), params.eps_ada.item()) == (1.0, 0.5)
+    adv = advantages_for(rewards, cfg).flatten()
+    logp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 1.0]]))
+    loss, metrics = policy_loss(logp, logp, adv, torch.tensor([[1, 1], [1, 0]]), cfg, params)
+    assert loss.item() == pytest.approx(-0.1732868, abs=1e-6)
+    assert metrics["apmpo/p"].item() == 1.0
+
+
 # --------------------------------------------------------------------------- against the reference
 
 
@@ -239,6 +391,54 @@ def test_group_scope_matches_reference(seed):
     )
     assert value.item() == pytest.approx(ref_value.item(), rel=1e-5, abs=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("scale", [0.3, 0.02])
+def test_dr_grpo_matches_reference(seed, scale):
+    g = torch.Generator().manual_seed(200 + seed)
+    N, T = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 14, (1,), generator=g))
+    logp, old, adv, mask = random_batch(N, T, seed, scale=scale)
+    cfg = LossConfig(name="dr_grpo", token_budget=T + 3)
+    value, grad, _ = kernel_value_and_grad(logp.float(), old.float(), adv.float(), mask, cfg,
+                                           adaptive_params(torch.rand(2, 4), cfg))
+    ref_value, ref_grad = reference_grad(reference_dr_grpo, logp.float(), old.float(), adv.float(), mask,
+                                         cfg.eps_low, cfg.eps_high, T + 3)
+    assert value.item() == pytest.approx(ref_value.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("scale,eps_low,eps_high", [(3e-4, None, None), (0.3, 0.2, 0.28), (0.02, 0.01, 0.02)])
+def test_gspo_matches_reference_and_its_token_form(seed, scale, eps_low, eps_high):
+    # Scales chosen so that some sequences are clipped and some are not (checked below).
+    g = torch.Generator().manual_seed(300 + seed)
+    N, T = int(torch.randint(4, 12, (1,), generator=g)), int(torch.randint(1, 14, (1,), generator=g))
+    logp, old, adv, mask = random_batch(N, T, seed, scale=scale)
+    cfg = LossConfig(name="gspo", eps_low=eps_low, eps_high=eps_high)
+    # fp64 inputs: at GSPO's eps the sequence ratios differ from 1 by ~1e-4, below fp32's relative resolution
+    # of a clean comparison with the float64 reference.
+    value, grad, m = kernel_value_and_grad(logp, old, adv, mask, cfg, adaptive_params(torch.rand(2, 4), cfg))
+    args = (logp, old, adv, mask, cfg.eps_low, cfg.eps_high)
+    for reference in (reference_gspo, reference_gspo_token):
+        ref_value, ref_grad = reference_grad(reference, *args)
+        assert value.item() == pytest.approx(ref_value.item(), rel=1e-10, abs=1e-12)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+
+
+def test_gspo_reference_cases_clip_some_sequences_and_not_others():
+    # The reference test above is only meaningful when both branches occur: count them on its batches.
+    for scale, lo, hi in ((3e-4, 3e-4, 4e-4), (0.3, 0.2, 0.28), (0.02, 0.01, 0.02)):
+        kept = clipped = 0
+        for seed in range(4):
+            g = torch.Generator().manual_seed(300 + seed)
+            N, T = int(torch.randint(4, 12, (1,), generator=g)), int(torch.randint(1, 14, (1,), generator=g))
+            logp, old, adv, mask = random_batch(N, T, seed, scale=scale)
+            s = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+            out = ((adv > 0) & (s > 1 + hi)) | ((adv < 0) & (s < 1 - lo))
+            clipped += int(out.sum())
+            kept += int((~out & (adv != 0)).sum())
+        assert kept > 0 and clipped > 0, (scale, kept, clipped)
 
 
 @pytest.mark.parametrize("p", [0.8, 0.3, -0.7])
@@ -348,12 +548,12 @@ def test_p_tensor_on_host_per_row_mixed_branches():
 
 
 @pytest.mark.parametrize("rewards", [torch.zeros(4, 8), torch.ones(4, 8), torch.full((4, 8), 0.3)])
-@pytest.mark.parametrize("name", ["apmpo", "grpo", "dapo", "gmpo"])
+@pytest.mark.parametrize("name", ALL_LOSSES)
 def test_all_equal_groups_give_zero_loss_no_nan(rewards, name):
-    cfg = LossConfig(name=name)
+    cfg = LossConfig(name=name, token_budget=BUDGET)
     params = adaptive_params(rewards, cfg)
     assert all(torch.isfinite(getattr(params, f)).all() for f in ("p", "eps_ada", "fss", "mu", "sigma"))
-    adv = group_advantages(rewards).flatten()
+    adv = advantages_for(rewards, cfg).flatten()
     logp, old, _, mask = random_batch(32, 16, seed=5, dtype=torch.float32)
     logp.requires_grad_(True)
     loss, metrics = policy_loss(logp, old, adv, mask, cfg, params)
@@ -393,11 +593,11 @@ def test_bad_shapes_and_empty_masks_are_rejected():
         adaptive_params(torch.ones(8), cfg)
 
 
-@pytest.mark.parametrize("name", ["apmpo", "grpo", "dapo", "gmpo"])
+@pytest.mark.parametrize("name", ALL_LOSSES)
 def test_bf16_inputs(name):
     logp, old, adv, mask = random_batch(8, 32, seed=6, dtype=torch.float32)
     logp16, old16 = logp.bfloat16(), old.bfloat16()
-    cfg, params = LossConfig(name=name), params_for(0.6, 0.3)
+    cfg, params = LossConfig(name=name, token_budget=BUDGET), params_for(0.6, 0.3)
     x16 = logp16.clone().requires_grad_(True)
     loss16, _ = policy_loss(x16, old16, adv, mask, cfg, params)
     loss16.backward()
@@ -411,11 +611,11 @@ def test_bf16_inputs(name):
 # --------------------------------------------------------------------------- micro-batch invariance
 
 
-@pytest.mark.parametrize("name", ["apmpo", "grpo", "dapo", "gmpo"])
+@pytest.mark.parametrize("name", ALL_LOSSES)
 def test_micro_batches_with_global_normalisers_equal_whole_batch(name):
     logp, old, adv, mask = random_batch(12, 17, seed=8, dtype=torch.float32)
     ref = torch.log(torch.rand(12, 17, generator=torch.Generator().manual_seed(9)))
-    cfg = LossConfig(name=name, kl_beta=0.1, stats_scope="group")
+    cfg = LossConfig(name=name, kl_beta=0.1, stats_scope="group", token_budget=BUDGET)
     params = adaptive_params(torch.rand(3, 4), cfg).per_sequence(torch.arange(3).repeat_interleave(4))
 
     whole = logp.clone().requires_grad_(True)
@@ -439,10 +639,25 @@ def test_metrics_are_detached_tensors():
     logp, old, adv, mask = random_batch(4, 6, seed=1, dtype=torch.float32)
     x = logp.clone().requires_grad_(True)
     _, metrics = policy_loss(x, old, adv, mask, LossConfig(), params_for(0.5, 0.3), ref_logp=old)
-    expected = {"loss/policy", "loss/kl", "loss/clip_frac_upper", "loss/clip_frac_lower", "policy/ratio_mean",
+    expected = {"loss/total", "loss/policy", "loss/kl", "loss/clip_frac_upper", "loss/clip_frac_lower", "policy/ratio_mean",
                 "policy/approx_kl", "apmpo/p", "apmpo/eps_ada", "apmpo/fss"}
     assert expected <= metrics.keys()
     assert all(isinstance(v, torch.Tensor) and not v.requires_grad and v.dim() == 0 for v in metrics.values())
+
+
+def test_loss_total_is_the_policy_term_plus_beta_kl():
+    # loss/policy is the policy term alone; loss/total, the loss returned, adds kl_beta * loss/kl.
+    logp, old, adv, mask = random_batch(4, 6, seed=1, dtype=torch.float32)
+    ref = old - 0.3 * torch.rand(4, 6, generator=torch.Generator().manual_seed(2))
+    cfg, params = LossConfig(kl_beta=0.5), params_for(0.5, 0.3)
+    loss, m = policy_loss(logp, old, adv, mask, cfg, params, ref_logp=ref)
+    policy_only, m_without = policy_loss(logp, old, adv, mask, cfg, params)
+    kl = kl_penalty(logp, ref, mask, cfg)
+    assert kl.item() > 0.01  # the KL term is not negligible here
+    assert m["loss/total"].item() == loss.item() == pytest.approx(policy_only.item() + 0.5 * kl.item(), rel=1e-6)
+    assert m["loss/policy"].item() == policy_only.item()
+    assert m["loss/kl"].item() == kl.item()
+    assert m_without["loss/total"].item() == m_without["loss/policy"].item() == policy_only.item()
 
 
 def test_small_p_series_is_exact_to_third_order_in_float64():
