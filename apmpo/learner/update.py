@@ -13,7 +13,7 @@ from apmpo.learner.logprobs import token_logprobs
 from apmpo.loss import AdaptiveParams, policy_loss
 
 # Each micro-batch holds a part of its optimiser step's loss: these add up, the other metrics are token means.
-ADDITIVE = ("loss/policy", "loss/kl")
+ADDITIVE = ("loss/total", "loss/policy", "loss/kl")
 
 
 def micro_batches(rollouts: list[Rollout], plan: list, rank: int, pad_id: int) -> list[list[MicroBatch]]:
