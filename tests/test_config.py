@@ -31,7 +31,7 @@ def test_overrides_are_type_checked(tmp_path):
         load_config(None, ["rollout.group_size=many"])
     with pytest.raises(ConfigError, match=r"loss.fac expects bool"):
         load_config(None, ["loss.fac=1"])
-    with pytest.raises(ConfigError, match=r"loss.name must be one of \['apmpo', 'grpo', 'dapo', 'gmpo'\]"):
+    with pytest.raises(ConfigError, match=r"loss.name must be one of \['apmpo', 'grpo', 'dapo', 'gmpo', 'dr_grpo', 'gspo'\]"):
         load_config(None, ["loss.name=ppo"])
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(None, ["loss.name"])
