@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -95,6 +97,10 @@ class TrainConfig:
     micro_batch_tokens: int = 16384  # token budget of one forward/backward per rank
     logprob_chunk_tokens: int = 1024  # positions per chunk of the fp32 log-softmax
     tis_cap: float | None = None  # sequence-level truncated importance sampling vs the engine's log-probs (e.g. 2.0)
+    # How long learner ranks wait in a collective. Ranks 1..N wait in the batch broadcast while rank 0 starts the
+    # server, generates and scores: a cold start or a long rollout must not abort the job (NCCL's and DeepSpeed's
+    # default is 10-30 min).
+    dist_timeout_s: float = 7200.0
     zero_stage: int = 2
     seed: int = 0
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path
@@ -146,9 +152,11 @@ class Config:
         r, t = self.rollout, self.train
         positive = {"rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
                     "rollout.max_tokens": r.max_tokens, "train.steps": t.steps, "train.epochs": t.epochs,
-                    "train.mini_batch_size": t.mini_batch_size, "train.micro_batch_tokens": t.micro_batch_tokens}
+                    "train.mini_batch_size": t.mini_batch_size, "train.micro_batch_tokens": t.micro_batch_tokens,
+                    "train.dist_timeout_s": t.dist_timeout_s, "optim.lr": self.optim.lr,
+                    "rollout.reward_timeout_s": r.reward_timeout_s}
         for key, value in positive.items():
-            if value <= 0:
+            if not value > 0:  # NaN too
                 raise ConfigError(f"{key} must be > 0, got {value}")
         if r.prompts_per_step % t.mini_batch_size:
             raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
@@ -157,6 +165,23 @@ class Config:
             raise ConfigError(f"train.zero_stage must be 0, 1 or 2, got {t.zero_stage}")
         if r.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: group advantages need at least two samples")
+        if not 0.0 <= r.temperature < math.inf:
+            raise ConfigError(f"rollout.temperature must be >= 0 (0 = greedy), got {r.temperature}")
+        if not 0.0 < r.top_p <= 1.0:
+            raise ConfigError(f"rollout.top_p must lie in (0, 1], got {r.top_p}")
+        if r.top_k < -1 or r.top_k == 0:
+            raise ConfigError(f"rollout.top_k must be -1 (off) or > 0, got {r.top_k}")
+        if r.max_tokens + self.data.max_prompt_tokens > r.max_model_len:
+            raise ConfigError(
+                f"rollout.max_tokens ({r.max_tokens}) + data.max_prompt_tokens ({self.data.max_prompt_tokens}) "
+                f"> rollout.max_model_len ({r.max_model_len}): the longest prompts could not be completed; lower "
+                "one of the first two or raise the third")
+        if t.tis_cap is not None and (r.top_p < 1.0 or r.top_k > 0):
+            # The engine's log-probs are of the top-p/top-k truncated, renormalised distribution; the learner's
+            # are of the full softmax / temperature. Their ratio would bias every importance weight.
+            raise ConfigError("train.tis_cap needs rollout.top_p: 1.0 and rollout.top_k: -1: the engine's "
+                              "log-probs then come from the distribution the learner computes")
+        _check_sources(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -164,6 +189,35 @@ class Config:
         out["derived"] = {"run_dir": str(self.run_dir), "samples_per_step": self.samples_per_step,
                           "optimizer_steps_per_rollout": self.optimizer_steps_per_rollout}
         return out
+
+
+# A hub id is "org/name"; anything else that is not a built-in name must exist on this machine.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _check_sources(cfg: Config) -> None:
+    """The model, data and reward a run names exist, so that a typo fails here, not after the server started."""
+    path = cfg.model.path
+    if path != "quickstart" and not Path(path).expanduser().is_dir() and not HUB_ID.match(path):
+        raise ConfigError(f"model.path {path!r} is neither a local directory nor a hub id (org/name)")
+    train = cfg.data.train
+    from apmpo.data import BUILTIN  # noqa: PLC0415  (light: no torch, no sympy)
+
+    if train not in BUILTIN and train != "quickstart" and not Path(train).expanduser().exists():
+        if train.endswith(DATA_SUFFIXES) or not HUB_ID.match(train):
+            raise ConfigError(f"data.train {train!r}: no such file, and not a built-in dataset "
+                              f"({', '.join(sorted(BUILTIN))}, quickstart) or a hub id (org/name)")
+    _check_reward(cfg.data.reward)
+
+
+def _check_reward(reward: str) -> None:
+    from apmpo.rewards import get_reward  # noqa: PLC0415
+
+    try:
+        get_reward(reward)
+    except Exception as exc:  # noqa: BLE001  (any import failure of the user's module is a config error)
+        raise ConfigError(f"data.reward {reward!r}: {type(exc).__name__}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- loading
@@ -271,6 +325,8 @@ def _check_type(value: Any, hint: Any, key: str, source: str) -> Any:
             raise ConfigError(f"{source}: {key} expects {hint.__name__}, got {type(value).__name__} {value!r}")
         return hint(value)
     if hint is str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # YAML reads `devices: 3` as a number
         if not isinstance(value, str):
             raise ConfigError(f"{source}: {key} expects str, got {type(value).__name__} {value!r}")
         return value

@@ -29,7 +29,7 @@ from apmpo.config import Config, ConfigError, load_config, save_config
 from apmpo.learner.batching import plan_step
 from apmpo.learner.checkpoint import (latest_checkpoint, load_checkpoint, remove_incomplete, save_checkpoint,
                                      start_fresh)
-from apmpo.learner.engine import build_engine, init_distributed, load_model
+from apmpo.learner.engine import build_engine, check_devices, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.rollouts import PromptSampler, collect_rollouts
 from apmpo.learner.setup import load_prompts, load_vision, prepare_model
@@ -40,7 +40,7 @@ from apmpo.rollout.launcher import serve
 
 
 def main(cfg: Config, resume: str) -> None:
-    dist = init_distributed()
+    dist = init_distributed(cfg.train.dist_timeout_s)
     torch.manual_seed(cfg.train.seed + dist.rank)
     run_dir = cfg.run_dir
 
@@ -146,6 +146,7 @@ def parse_args(argv=None) -> tuple[Config, str]:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
+    check_devices(cfg)
     return cfg, args.resume or cfg.train.resume
 
 

@@ -30,7 +30,27 @@ if [[ $DEVICE == cpu ]]; then
     if "$PY" -m pip show --quiet "$pkg" >/dev/null 2>&1; then "$PY" -m pip uninstall --quiet -y "$pkg"; fi
   done
 elif [[ $DEVICE == gpu ]]; then
+  # vllm 0.33's wheel is built for CUDA 13.0 (it pins a CUDA 13 torch), which needs NVIDIA driver >= 580.
+  # Without it torch would install, see no GPU, and every run would fall back to the CPU: fail here instead.
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "[install] APMPO_DEVICE=gpu but nvidia-smi finds no GPU (driver missing or not loaded)" >&2; exit 1
+  fi
+  DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+  DRIVER_CUDA=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+  echo "[install] NVIDIA driver $DRIVER, supports CUDA up to ${DRIVER_CUDA:-unknown}"
   "${PIP[@]}" -e ".[gpu,test,eval]"
+  "$PY" - "$DRIVER" "${DRIVER_CUDA:-unknown}" <<'PY'
+import sys, torch
+driver, driver_cuda = sys.argv[1:]
+print(f"[install] torch {torch.__version__} built for CUDA {torch.version.cuda}")
+if not torch.cuda.is_available():
+    sys.exit(
+        f"[install] torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use the GPU: NVIDIA driver "
+        f"{driver} supports CUDA up to {driver_cuda}. vllm 0.33 is built for CUDA 13.0 and needs driver >= 580. "
+        "Either update the driver, or install a vLLM built for your CUDA: vLLM's GPU installation guide lists its "
+        "+cu12x wheels; install that wheel with the torch build it names, then `pip install -e .[test,eval]`.")
+print(f"[install] GPU ok: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
+PY
 else
   echo "[install] APMPO_DEVICE must be auto, cpu or gpu, not '$DEVICE'" >&2; exit 2
 fi

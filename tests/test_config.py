@@ -117,3 +117,44 @@ def test_paper_recipe():
             assert cfg.rollout.dynamic_sampling == (method == "dapo")
     apmpo = load_config(PAPER / "math_qwen2.5-math-1.5b_apmpo.yaml").loss
     assert (apmpo.gamma, apmpo.eps_min, apmpo.eps_max, apmpo.eps_low, apmpo.delta) == (0.8, 0.2, 0.4, 0.2, 1e-6)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=0", r"optim.lr must be > 0, got 0.0"),
+    ("optim.lr=-1e-6", r"optim.lr must be > 0"),
+    ("rollout.temperature=-0.1", r"rollout.temperature must be >= 0"),
+    ("rollout.temperature=.inf", r"rollout.temperature must be >= 0"),
+    ("rollout.top_p=0", r"rollout.top_p must lie in \(0, 1\], got 0.0"),
+    ("rollout.top_p=1.5", r"rollout.top_p must lie in \(0, 1\]"),
+    ("rollout.top_p=.nan", r"rollout.top_p must lie in \(0, 1\]"),
+    ("rollout.top_k=0", r"rollout.top_k must be -1 \(off\) or > 0"),
+    ("train.dist_timeout_s=0", r"train.dist_timeout_s must be > 0"),
+    ("data.reward=maths", r"data.reward 'maths': KeyError: .*unknown reward 'maths'"),
+    ("data.reward=no_such_pkg.rewards:score", r"data.reward 'no_such_pkg.rewards:score': ModuleNotFoundError"),
+    ("data.reward=json:no_such_function", r"data.reward 'json:no_such_function'"),
+    ("model.path=./models/missing", r"model.path './models/missing' is neither a local directory nor a hub id"),
+    ("data.train=/data/missing.jsonl", r"data.train '/data/missing.jsonl': no such file"),
+    ("data.train=math12k_typo.jsonl", r"data.train 'math12k_typo.jsonl': no such file"),
+    # 3072 + 1024 = 4096 fits; 3073 does not, and vLLM would silently truncate the longest prompts' completions
+    ("rollout.max_tokens=3073", r"rollout.max_tokens \(3073\) \+ data.max_prompt_tokens \(1024\) > rollout.max_model_len \(4096\)"),
+])
+def test_bad_values_fail_at_load_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_values_at_the_edges_are_accepted(tmp_path):
+    (tmp_path / "train.jsonl").write_text("")
+    cfg = load_config(None, ["rollout.max_tokens=3072", "rollout.temperature=0", "rollout.top_p=1", "rollout.top_k=5",
+                             "data.reward=json:loads", f"data.train={tmp_path / 'train.jsonl'}",
+                             f"model.path={tmp_path}", "data.train=org/some-dataset"])
+    assert (cfg.rollout.max_tokens, cfg.rollout.top_k, cfg.data.reward) == (3072, 5, "json:loads")
+
+
+def test_tis_with_truncated_sampling_is_refused():
+    # The engine's log-probs are of the top-p/top-k renormalised distribution, the learner's of the full one.
+    for override in ("rollout.top_p=0.9", "rollout.top_k=20"):
+        with pytest.raises(ConfigError, match="train.tis_cap needs rollout.top_p: 1.0 and rollout.top_k: -1"):
+            load_config(None, ["train.tis_cap=2.0", override])
+    assert load_config(None, ["train.tis_cap=2.0"]).train.tis_cap == 2.0
+    assert load_config(None, ["rollout.top_p=0.9"]).rollout.top_p == 0.9

@@ -138,7 +138,7 @@ def test_server_generates_with_images_and_sync_equals_a_fresh_load(tiny_vl, visi
 def test_geo3k_paper_config_trains_on_synthetic_diagrams(tiny_vl, diagrams, tmp_path):
     overrides = [
         f"model.path={tiny_vl}", "model.dtype=fp32", "model.gradient_checkpointing=false",
-        f"data.train={diagrams}", "data.fields=choice", "data.reward=choice", "data.max_prompt_tokens=512",
+        f"data.train={diagrams}", "data.fields=choice", "data.reward=choice", "data.max_prompt_tokens=504",
         "rollout.devices=null", "rollout.max_model_len=512", "rollout.max_tokens=8", "rollout.prompts_per_step=4",
         "rollout.group_size=2", "rollout.reward_workers=1", "train.steps=3", "train.mini_batch_size=2",
         "train.micro_batch_tokens=512", "optim.lr=1e-3", "checkpoint.save_every=3", "train.resume=never",

@@ -7,6 +7,7 @@ carries the global normalisers (see apmpo.loss.policy_loss), so a step is indepe
 """
 from __future__ import annotations
 
+import datetime
 import importlib
 import math
 import os
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from apmpo.config import Config
+from apmpo.config import Config, ConfigError
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,10 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed() -> Dist:
-    """Starts torch.distributed through DeepSpeed (gloo on CPU, NCCL on GPU); also works without a launcher."""
+def init_distributed(timeout_s: float = 7200.0) -> Dist:
+    """Starts torch.distributed through DeepSpeed (gloo on CPU, NCCL on GPU); also works without a launcher.
+    `timeout_s` bounds every collective: ranks 1..N wait in the batch broadcast while rank 0 starts the server
+    and generates, so it must exceed the longest rollout (train.dist_timeout_s)."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
@@ -53,8 +56,39 @@ def init_distributed() -> Dist:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world_size + 1)))
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               timeout=datetime.timedelta(seconds=timeout_s))
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
+
+
+def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int | None = None) -> None:
+    """Before anything starts: a config that names server GPUs needs a learner that sees CUDA (else it would
+    quietly train on the CPU), and the server's GPUs must not overlap the learner's, except the one shared-GPU
+    set-up (the server on exactly rank 0's GPU, weights over CUDA IPC). Device ids are physical, as in
+    CUDA_VISIBLE_DEVICES. Raises ConfigError naming rollout.devices."""
+    devices = cfg.rollout.devices
+    if devices is None:
+        return
+    gpu_count = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if gpu_count == 0:
+        raise ConfigError(
+            f"rollout.devices={devices!r} names GPUs, but this learner sees no CUDA device (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda}): it would train on the CPU. Check the driver and the torch build "
+            "(bash scripts/install.sh checks both), or set rollout.devices: null to run everything on the CPU.")
+    server = [d.strip() for d in devices.split(",") if d.strip()]
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(gpu_count)]
+    local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1)
+    learner = visible[:local_ranks]
+    shared = [d for d in server if d in learner]
+    if not shared:
+        return
+    if server == learner[:1] and cfg.rollout.weight_sync in ("auto", "cuda_ipc"):
+        return  # one GPU shared with rank 0: cuda_ipc (gpu_memory_utilization must leave room for training)
+    raise ConfigError(
+        f"rollout.devices={devices!r} overlaps the learner's GPUs {learner} (GPU {', '.join(shared)}): NCCL cannot "
+        "put two ranks of the weight-sync group on one GPU. Give the server GPUs of its own, or share exactly "
+        f"rank 0's GPU (rollout.devices: \"{learner[0]}\", weight_sync auto or cuda_ipc).")
 
 
 def torch_dtype(cfg: Config) -> torch.dtype:
@@ -80,7 +114,20 @@ def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = T
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    return model
+    # from_pretrained returns eval mode, and transformers checkpoints activations only in train mode. Train
+    # mode also turns dropout on: Qwen2/2.5 have none (attention_dropout 0), so log-probs are unchanged; a model
+    # with dropout would make the ratio pi/pi_old noisy, hence the check.
+    _check_no_dropout(model)
+    return model.train()
+
+
+def _check_no_dropout(model) -> None:
+    active = sorted({f"{name}={m.p}" for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Dropout) and m.p > 0})
+    rates = {k: v for k, v in model.config.to_dict().items() if "dropout" in k and isinstance(v, float) and v > 0}
+    if active or rates:
+        raise ValueError(f"the policy has dropout ({active or rates}): RL ratios need deterministic log-probs; "
+                         "set those rates to 0 in the model's config.json")
 
 
 def lr_lambda(cfg: Config):
@@ -111,6 +158,9 @@ def build_engine(model, cfg: Config, dist: Dist):
         "zero_optimization": {"stage": cfg.train.zero_stage, "overlap_comm": dist.device.type == "cuda",
                               "contiguous_gradients": True},
         "bf16": {"enabled": cfg.model.dtype == "bf16"},
+        # Micro-batch gradients are summed in fp32: a step has ~60 micro-batches at paper scale, and a bf16 sum
+        # (DeepSpeed's default, the model's dtype) loses 2^-9 relative per addition.
+        "data_types": {"grad_accum_dtype": "fp32"},
         "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2],
                                                   "eps": o.adam_eps, "weight_decay": o.weight_decay,
                                                   "torch_adam": True}},

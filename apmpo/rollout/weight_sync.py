@@ -137,7 +137,7 @@ class WeightGroup:
 
     def __init__(self, transport: Transport, host: str, port: int, rank: int, world_size: int, timeout_s: float,
                  store: dist.TCPStore | None = None):
-        self.transport, self.rank, self.world_size = transport, rank, world_size
+        self.transport, self.rank, self.world_size, self.timeout_s = transport, rank, world_size, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store or dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         options = dist.ProcessGroupGloo._Options()
@@ -213,6 +213,24 @@ class WeightGroup:
                 group.shutdown()
 
 
+def wait_done(work: dist.Work, device: torch.device, timeout_s: float, poll_s: float = 1e-3) -> None:
+    """Returns once the collective's bytes are in place. On NCCL `work.wait()` only makes the current stream
+    wait for the transfer: the receiver would load (and the server report a new weight version) while bytes are
+    still in flight, and a dead sender would hang it until NCCL's watchdog fired. So wait for the stream too,
+    polling an event with a deadline (as vLLM's and TRL's receivers synchronise after their broadcasts)."""
+    work.wait()
+    if device.type != "cuda":
+        return  # gloo's wait() returns when the data is there, or raises after the group's timeout
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"weight transfer not complete after {timeout_s:.0f} s: the other side of the "
+                               "NCCL weight group died or stalled mid-push")
+        time.sleep(poll_s)
+
+
 # --- learner side ------------------------------------------------------------------------------------------
 
 
@@ -225,9 +243,12 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.
         segment = group.share_segment(sum(b.nbytes for b in buckets))
         buffers = [segment[offset:] for offset in bucket_offsets(buckets)]
     else:
+        # Two buffers: bucket k+1 is packed while k is on the wire. cuda_ipc sends synchronously (the worker
+        # has copied a bucket before the next is packed), so one buffer is enough (~1 GB saved at 7B).
         largest = max(b.nbytes for b in buckets)
-        pair = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2)]
-        buffers = [pair[k % 2] for k in range(len(buckets))]  # bucket k+1 is packed while k is on the wire
+        slots = [torch.empty(largest, dtype=torch.uint8, device=device)
+                 for _ in range(1 if group.transport == "cuda_ipc" else 2)]
+        buffers = [slots[k % len(slots)] for k in range(len(buckets))]
     pending: dist.Work | None = None
     start = 0
     for k, bucket in enumerate(buckets):
@@ -240,7 +261,7 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.
             pending.wait()
         pending = group.broadcast(torch.tensor([k]) if group.transport == "shm" else packed)
     if pending is not None:
-        pending.wait()
+        wait_done(pending, packed.device, group.timeout_s)
 
 
 def _send_ipc_handle(group: WeightGroup, packed: torch.Tensor) -> None:
@@ -275,7 +296,7 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], device: torch.dev
     for k, bucket in enumerate(buckets):
         buffer, work = upcoming
         if work is not None:
-            work.wait()
+            wait_done(work, buffer.device, group.timeout_s)
         upcoming = start(k + 1) if k + 1 < len(buckets) else None
         yield from unpack(buffer, bucket)
 

@@ -1,0 +1,57 @@
+"""Learner set-up checks that need a process group of their own (run by tests/test_learner_setup.py).
+
+    python tests/learner_setup_worker.py timeout TIMEOUT_S DELAY_S       # with RANK/WORLD_SIZE/MASTER_* set
+    python tests/learner_setup_worker.py bf16_accumulation OUT.pt MICRO_BATCHES
+"""
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from apmpo.config import load_config  # noqa: E402
+from apmpo.learner.engine import build_engine, init_distributed  # noqa: E402
+from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
+
+
+def timeout(timeout_s: str, delay_s: str) -> None:
+    """Rank 0 is busy (starting the server, generating) for DELAY_S while the others wait in the broadcast."""
+    dist = init_distributed(float(timeout_s))
+    if dist.is_main:
+        time.sleep(float(delay_s))
+    payload = ["batch" if dist.is_main else None]
+    torch_dist.broadcast_object_list(payload, src=0)
+    print(f"rank {dist.rank} received {payload[0]}", flush=True)
+
+
+def bf16_accumulation(out: str, micro_batches: str) -> None:
+    """Gradients of k bf16 micro-batches as accumulated by the DeepSpeed engine, and each micro-batch's own
+    gradient from an identical bf16 model, so that the test can sum them in fp32 itself."""
+    dist = init_distributed()
+    cfg = load_config(None, ["model.dtype=bf16"])
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer).to(torch.bfloat16)
+    twin = build_model(tokenizer).to(torch.bfloat16)
+    twin.load_state_dict(model.state_dict())
+    engine = build_engine(model.train(), cfg, dist)
+    g = torch.Generator().manual_seed(1)
+    singles = []
+    k = int(micro_batches)
+    for i in range(k):
+        ids = torch.randint(3, len(tokenizer), (2, 24), generator=g)
+        engine.set_gradient_accumulation_boundary(i == k - 1)
+        engine.backward(engine.module(input_ids=ids, labels=ids).loss)
+        twin.zero_grad()
+        twin(input_ids=ids, labels=ids).loss.backward()
+        singles.append({n: p.grad.clone() for n, p in twin.named_parameters()})
+    from deepspeed.utils import safe_get_full_grad
+
+    accumulated = {n: safe_get_full_grad(p).float().clone() for n, p in engine.module.named_parameters()}
+    torch.save({"accumulated": accumulated, "singles": singles}, out)
+
+
+if __name__ == "__main__":
+    {"timeout": timeout, "bf16_accumulation": bf16_accumulation}[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,144 @@
+"""The learner's set-up for a first GPU run, each shown on CPU: the collective timeout, the device checks, train
+mode (gradient checkpointing runs) and fp32 accumulation of bf16 micro-batch gradients."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from apmpo.config import ConfigError, load_config
+from apmpo.learner.engine import check_devices, load_model
+from apmpo.rollout.net import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "learner_setup_worker.py"
+
+
+def start_ranks(*args, world_size=2):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0"}
+    return [subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], env={**env, "RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world_size)]
+
+
+def finish(procs, timeout=300):
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+@pytest.mark.slow
+def test_ranks_outwait_a_slow_rank_zero_within_the_timeout():
+    # Rank 0 busy for 8 s (starting the server, generating): a 3 s timeout kills the waiting rank, as NCCL's
+    # default does after 10 min on a real cold start; a timeout above the delay lets every rank go on.
+    short, long = start_ranks("timeout", 3, 8), start_ranks("timeout", 60, 8)  # both at once: half the time
+    codes, outs = finish(short)
+    assert codes[1] != 0 and "received" not in outs[1], outs[1][-2000:]
+    codes, outs = finish(long)
+    assert codes == [0, 0], outs
+    assert all(f"rank {r} received batch" in out for r, out in enumerate(outs))
+
+
+def test_dist_timeout_default_is_at_least_two_hours():
+    assert load_config(None).train.dist_timeout_s >= 7200
+
+
+def gpu_config(devices, weight_sync="auto"):
+    return load_config(None, [f"rollout.devices={devices!r}", f"rollout.weight_sync={weight_sync}"])
+
+
+def test_gpu_devices_without_cuda_are_refused():
+    with pytest.raises(ConfigError, match=r"rollout.devices='3' names GPUs, but this learner sees no CUDA device"):
+        check_devices(gpu_config("3"), env={}, gpu_count=0)
+    check_devices(load_config(None), env={}, gpu_count=0)  # CPU run: nothing named, nothing to check
+
+
+@pytest.mark.parametrize("devices, env, ok", [
+    ("3", {"LOCAL_SIZE": "3"}, True),  # the paper layout: learners on 0-2, the server on 3
+    ("2,3", {"LOCAL_SIZE": "3"}, False),  # GPU 2 is rank 2's
+    ("0", {"LOCAL_SIZE": "1"}, True),  # one GPU shared with rank 0: CUDA IPC
+    ("0", {"LOCAL_SIZE": "2"}, True),  # the server shares rank 0's GPU
+    ("1", {"LOCAL_SIZE": "2"}, False),  # rank 1 pushes nothing: no IPC with rank 1's GPU
+    ("0,1", {"LOCAL_SIZE": "1"}, False),  # two server GPUs, one of them the learner's
+    ("5", {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_WORLD_SIZE": "2"}, False),  # physical ids, under torchrun
+    ("6", {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_WORLD_SIZE": "2"}, True),
+])
+def test_server_gpus_must_not_overlap_the_learners(devices, env, ok):
+    if ok:
+        check_devices(gpu_config(devices), env=env, gpu_count=8)
+    else:
+        with pytest.raises(ConfigError, match=rf"rollout.devices='{devices}' overlaps the learner's GPUs"):
+            check_devices(gpu_config(devices), env=env, gpu_count=8)
+
+
+def test_shared_gpu_with_forced_nccl_is_refused():
+    with pytest.raises(ConfigError, match="overlaps"):
+        check_devices(gpu_config("0", weight_sync="nccl"), env={"LOCAL_SIZE": "1"}, gpu_count=1)
+
+
+def test_cli_refuses_gpu_config_on_a_cpu_machine():
+    done = subprocess.run([sys.executable, "launch/train.py", "--config", "configs/quickstart.yaml",
+                           "--set", "rollout.devices=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "bad config: rollout.devices='3' names GPUs, but this learner sees no CUDA device" in done.stderr
+
+
+def saved_activation_bytes(model, ids):
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return sum(saved)
+
+
+def test_policy_is_in_train_mode_and_gradient_checkpointing_runs(tiny_tied):
+    ids = torch.randint(3, 200, (4, 96), generator=torch.Generator().manual_seed(0))
+    plain = load_model(str(tiny_tied), load_config(None, ["model.dtype=fp32"]), torch.device("cpu"))
+    checkpointed = load_model(str(tiny_tied), load_config(None, ["model.dtype=fp32", "model.gradient_checkpointing=true"]),
+                              torch.device("cpu"))
+    reference = load_model(str(tiny_tied), load_config(None, ["model.dtype=fp32"]), torch.device("cpu"), trainable=False)
+    assert plain.training and checkpointed.training and not reference.training
+    # Checkpointed layers keep only their inputs for the backward pass (measured: the 2-layer model saves
+    # under half of the activations); in eval mode transformers skipped checkpointing and saved them all.
+    with_ckpt, without = saved_activation_bytes(checkpointed, ids), saved_activation_bytes(plain, ids)
+    assert with_ckpt < 0.5 * without, (with_ckpt, without)
+    # Train mode changes nothing else for Qwen2 (no dropout): the same log-probs as eval mode.
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_a_policy_with_dropout_is_refused(tmp_path, tiny_tied):
+    import json
+    import shutil
+
+    shutil.copytree(tiny_tied, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    with pytest.raises(ValueError, match="the policy has dropout"):
+        load_model(str(tmp_path / "m"), load_config(None, ["model.dtype=fp32"]), torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_bf16_micro_batch_gradients_accumulate_in_fp32(tmp_path):
+    k = 32  # at paper scale ~60 micro-batches per optimiser step
+    codes, outs = finish(start_ranks("bf16_accumulation", tmp_path / "grads.pt", k, world_size=1))
+    assert codes == [0], outs[0][-3000:]
+    result = torch.load(tmp_path / "grads.pt")
+    worst_engine = worst_bf16 = 0.0
+    for name, accumulated in result["accumulated"].items():
+        micro = [s[name] for s in result["singles"]]
+        exact = torch.stack([m.double() for m in micro]).sum(0)  # the sum of the same bf16 gradients, in fp64
+        bf16_sum = micro[0].clone()
+        for m in micro[1:]:
+            bf16_sum += m  # what DeepSpeed did by default: accumulate in the model's dtype
+        scale = exact.abs().max()
+        worst_engine = max(worst_engine, float((accumulated.double() - exact).abs().max() / scale))
+        worst_bf16 = max(worst_bf16, float((bf16_sum.double() - exact).abs().max() / scale))
+    assert worst_engine < 1e-5, worst_engine  # fp32 rounding only
+    assert worst_bf16 > 1e-3, worst_bf16  # the tolerance tells the two apart (this test fails without the fix)
