@@ -147,8 +147,9 @@ class Config:
     def optimizer_steps_per_rollout(self) -> int:
         return self.rollout.prompts_per_step // self.train.mini_batch_size * self.train.epochs
 
-    def validate(self) -> "Config":
-        """Cross-field checks; field types were checked on load."""
+    def validate(self, check_sources: bool = True) -> "Config":
+        """Cross-field checks; field types were checked on load. `check_sources`: the model, data and reward
+        must exist here (off only to check a config meant for another machine)."""
         r, t = self.rollout, self.train
         positive = {"rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
                     "rollout.max_tokens": r.max_tokens, "train.steps": t.steps, "train.epochs": t.epochs,
@@ -181,7 +182,8 @@ class Config:
             # are of the full softmax / temperature. Their ratio would bias every importance weight.
             raise ConfigError("train.tis_cap needs rollout.top_p: 1.0 and rollout.top_k: -1: the engine's "
                               "log-probs then come from the distribution the learner computes")
-        _check_sources(self)
+        if check_sources:
+            _check_sources(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,7 +225,8 @@ def _check_reward(reward: str) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = (),
+                check_sources: bool = True) -> Config:
     """Read a YAML file (with its `base:` files), apply `a.b=v` overrides, type-check, validate."""
     data: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
@@ -239,7 +242,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
                 raise ConfigError(f"--set {item!r}: {part!r} is not a section")
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
     config = _build(Config, data, prefix="", source=source)
-    return config.validate()
+    return config.validate(check_sources)
 
 
 def save_config(config: Config, path: str | Path) -> None:
