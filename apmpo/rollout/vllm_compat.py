@@ -11,18 +11,29 @@ Names relied on, checked against vllm 0.32.0's source:
   it expands the first pad again), `vllm.ModelRegistry.register_model(name, cls)`   model_executor/models/
 - in the worker: `self.model_runner.reload_weights(weights_iterator=, is_checkpoint_format=True)`
   (v1/worker/gpu_model_runner.py; the CPU runner inherits it) and `self.model_runner.model_config`.
+- process settings (envs.py): `VLLM_WORKER_MULTIPROC_METHOD`; and, having no setting in 0.32, the default
+  `busy_loop_s=1` of `SpinCondition.__init__` (distributed/device_communicators/shm_broadcast.py).
 """
 from __future__ import annotations
 
 import base64
 import importlib.metadata
+import inspect
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 SUPPORTED = ((0, 32), (0, 33))  # inclusive range of (major, minor)
-WORKER_EXTENSION = "apmpo.rollout.weight_sync.WeightReceiverExtension"
+# Named through this module so that the engine's worker processes import it, and get the settings below.
+WORKER_EXTENSION = "apmpo.rollout.vllm_compat.WeightReceiverExtension"
+# Seconds a vLLM process keeps spinning (sched_yield) on its shared-memory queue after each message before it
+# sleeps on a socket. vLLM 0.32 hard-codes 1 s: after every call the worker burnt most of a core for a second,
+# in the synchronous loop exactly while the learner computed on the same cores (the learner's phases took
+# longer). 0: a waiting worker sleeps at once, which costs a socket wake-up (microseconds) per decode step.
+# The name is the one upstream's open PR (vllm#52814) gives this setting; a value in the environment wins.
+BUSY_LOOP_ENV = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
 
 
 def _installed_version() -> str:
@@ -47,12 +58,50 @@ def check_version(version: str) -> None:
 VLLM_VERSION = _installed_version()
 check_version(VLLM_VERSION)
 
+
+def set_process_env() -> None:
+    """vLLM's settings for every engine built in this process (server, eval, benchmarks), made before vLLM is
+    imported; a value the user exported wins. Spawned, not forked, workers: a forked child would keep the
+    server's listening socket and the parent's CUDA state (vLLM's default on GPU is fork; on CPU it spawns)."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault(BUSY_LOOP_ENV, "0")
+
+
+set_process_env()
+
 from apmpo.rollout import no_torchvision  # noqa: E402
 
 no_torchvision.install()  # before vLLM imports its Qwen2-VL module; a no-op where torchvision exists
 
 import vllm  # noqa: E402  (after the version check, so a wrong version fails with the message above)
+from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+
+from apmpo.rollout.weight_sync import WeightReceiverExtension  # noqa: E402,F401 (WORKER_EXTENSION)
+
+
+def busy_loop_s() -> float:
+    value = os.environ[BUSY_LOOP_ENV]
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also NaN
+        raise ValueError(f"{BUSY_LOOP_ENV}={value!r}: expected seconds >= 0")
+    return seconds
+
+
+def set_busy_loop() -> None:
+    """Makes BUSY_LOOP_ENV the default of SpinCondition(busy_loop_s=): in this process, and in the engine's
+    workers, which import this module for WORKER_EXTENSION before they build their queues (WorkerProc.__init__).
+    The engine-core process needs none: it waits on its own queue only while a step runs."""
+    init = shm_broadcast.SpinCondition.__init__
+    if list(inspect.signature(init).parameters)[-1] != "busy_loop_s":
+        raise ImportError(f"vLLM {VLLM_VERSION}: SpinCondition.__init__ has changed; update apmpo.rollout.vllm_compat")
+    init.__defaults__ = (busy_loop_s(),)
+
+
+set_busy_loop()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,50 @@
+"""The process settings apmpo.rollout.vllm_compat makes at import, before any engine is built (no engine here)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+from apmpo.rollout import vllm_compat as compat
+
+METHOD, BUSY = "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
+
+
+def test_importing_it_sets_spawned_workers_that_do_not_spin():
+    # A fresh interpreter, neither variable set: the settings are made once, at import.
+    probe = """
+import json, os
+from apmpo.rollout import vllm_compat as compat
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+from vllm.utils.import_utils import resolve_obj_by_qualname
+import vllm.envs
+print(json.dumps([vllm.envs.VLLM_WORKER_MULTIPROC_METHOD, os.environ[compat.BUSY_LOOP_ENV],
+                  SpinCondition.__init__.__defaults__, resolve_obj_by_qualname(compat.WORKER_EXTENSION).__qualname__]))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in (METHOD, BUSY)}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Spawned workers. The shared-memory queue's readers sleep as soon as they wait (vLLM's own default spins
+    # 1 s); the engine's workers get that by importing vllm_compat, which WORKER_EXTENSION names.
+    assert json.loads(done.stdout.splitlines()[-1]) == ["spawn", "0", [0.0], "WeightReceiverExtension"]
+
+
+def test_the_users_values_win(monkeypatch):
+    monkeypatch.setenv(METHOD, "fork")
+    monkeypatch.setenv(BUSY, "0.25")
+    try:
+        compat.set_process_env()
+        compat.set_busy_loop()
+        assert (os.environ[METHOD], SpinCondition.__init__.__defaults__) == ("fork", (0.25,))
+    finally:
+        monkeypatch.setenv(BUSY, "0")
+        compat.set_busy_loop()
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_a_bad_busy_loop_value_fails_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(BUSY, value)
+    with pytest.raises(ValueError, match=f"{BUSY}='{value}': expected seconds >= 0"):
+        compat.set_busy_loop()
