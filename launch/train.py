@@ -93,7 +93,7 @@ def main(cfg: Config, resume: str) -> None:
             # ---------------------------------------------------------- 1-4. prompts, generate, score, statistics
             if dist.is_main:
                 batch = collect_rollouts(client, sampler, prompt_ids, samples, score, cfg.rollout,
-                                         seed=step_seed, delta=cfg.loss.delta, times=times,
+                                         seed=step_seed, loss=cfg.loss, times=times,
                                          vision=vision)
                 params = adaptive_params(batch.rewards, cfg.loss)
             # ---------------------------------------------------------- 5. every rank gets the batch and the plan

@@ -15,7 +15,7 @@ import torch
 from apmpo.config import RolloutConfig
 from apmpo.data.vision import VisionInputs
 from apmpo.learner.batching import Rollout
-from apmpo.loss import group_advantages
+from apmpo.loss import LossConfig, advantages_for
 
 # completions, samples -> (rewards, summary): apmpo.rewards.RewardPool.score with the reward bound; crashes and
 # time-outs are scored 0 and counted in the summary ("errors", "timeouts", "crashes", their total "failures").
@@ -65,7 +65,7 @@ def overlong_penalty(length: int, cfg: RolloutConfig) -> float:
 
 
 def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]], samples: list[dict],
-                     score: ScoreFn, cfg: RolloutConfig, seed: int, delta: float, times: dict,
+                     score: ScoreFn, cfg: RolloutConfig, seed: int, loss: LossConfig, times: dict,
                      vision: VisionInputs | None = None) -> StepRollouts:
     """Generates and scores until the batch is full; adds the seconds spent to times["generate"|"reward"].
     With `vision`, prompts' images go to the engine, and each rollout carries its prompt with expanded image
@@ -107,7 +107,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         rounds += 1
     kept = kept[:B] if kept else last_round  # nothing informative after the cap: train on the last round
     rewards = torch.tensor([[r.reward for r in group] for group in kept])
-    advantages = group_advantages(rewards, delta)
+    advantages = advantages_for(rewards, loss)  # the loss's rule: std-normalised or not (Dr. GRPO)
     rollouts = []
     for g, group in enumerate(kept):
         for j, rollout in enumerate(group):
