@@ -41,7 +41,11 @@ def test_shards_are_balanced_by_tokens():
 def test_split_and_equalize():
     assert split_by_budget([0, 1, 2], [5, 5, 5], 10) == [[0, 1], [2]]
     assert split_by_budget([0], [50], 10) == [[0]]  # too long alone: its own micro-batch
-    assert equalize([[0, 1, 2, 3]], 3) == [[0, 1], [2], [3]] or len(equalize([[0, 1, 2, 3]], 3)) == 3
+    # Splits the largest (the first of equals) in halves, appended at the end, until there are 3:
+    # [[0, 1, 2, 3]] -> [[0, 1], [2, 3]] -> [0, 1] is the first of two of length 2 -> [[2, 3], [0], [1]].
+    assert equalize([[0, 1, 2, 3]], 3) == [[2, 3], [0], [1]]
+    # [[0, 1, 2], [3, 4, 5, 6, 7]] -> [3..7] splits into [3, 4] and [5, 6, 7] -> [[0, 1, 2], [3, 4], [5, 6, 7]].
+    assert equalize([[0, 1, 2], [3, 4, 5, 6, 7]], 3) == [[0, 1, 2], [3, 4], [5, 6, 7]]
     assert equalize([[0]], 3) == [[0], [], []]  # empty ones become zero-weight dummies
 
 
