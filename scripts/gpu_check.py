@@ -11,7 +11,7 @@ Covered (nothing here needs vLLM, which the GPU box we borrow cannot carry):
 - matmul_peak: a large matmul in the learner's dtype (bf16), the peak that MFU is measured against.
 - learner_gc, learner_no_gc: Qwen2.5-1.5B's shape, randomly initialised, under DeepSpeed ZeRO-2 in bf16 with
   micro_batch_tokens 16384, with and without gradient checkpointing: one training step's learner part as
-  launch/train.py runs it (apmpo.learner.update: old and reference log-probs, then `optimize`). Tokens/s, MFU
+  launch/train.py runs it (its `train_on_batch`: old and reference log-probs, then the optimiser step). Tokens/s, MFU
   and peak memory. MFU = 6 x parameters x tokens / update time / matmul peak (the LM head is counted for every
   token, though only completion tokens go through it, and the recomputed forward of checkpointing is not
   counted); `mfu_with_attention` adds causal attention's QK^T and AV products, 6 x layers x hidden x the sum of
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -49,6 +50,7 @@ from typing import Callable, Iterator
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 # Qwen2.5-1.5B: its config.json, less what does not change the compute.
 QWEN25_15B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                   intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
@@ -233,14 +235,14 @@ def _installed(distribution: str) -> bool:
 
 
 def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
-    """One training step's learner part, as launch/train.py runs it, on a random Qwen2.5-1.5B-shaped model."""
+    """Steps 6-7 of a training step (launch/train.py's `train_on_batch`) on a random Qwen2.5-1.5B-shaped model."""
     _require_deepspeed()
     from apmpo.config import Config, ModelConfig, RolloutConfig, TrainConfig
-    from apmpo.learner.batching import Rollout, plan_step
+    from apmpo.learner.batching import Rollout
     from apmpo.learner.engine import build_engine, init_distributed, load_model
-    from apmpo.learner.update import micro_batches, old_and_reference_logprobs, optimize
     from apmpo.loss import adaptive_params, group_advantages
 
+    train_on_batch = _train_module().train_on_batch
     dist = init_distributed()
     model_dir = _random_model_dir(s)
     dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[s.dtype]
@@ -255,34 +257,30 @@ def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
                         torch.randint(vocab, (s.completion_tokens,), generator=g).tolist(),
                         [-1.0] * s.completion_tokens, "stop", group=i // s.group_size, advantage=advantages[i])
                 for i in range(s.prompts * s.group_size)]
-    plan = plan_step(rollouts, cfg.optimizer_steps_per_rollout // cfg.train.epochs, dist.world_size,
-                     cfg.train.micro_batch_tokens, seed=0)
-    micro = micro_batches(rollouts, plan, dist.rank, pad_id=0)
     params = adaptive_params(rewards, cfg.loss)
 
     memory = PeakMemory(s.device)
     memory.reset()
     engine = build_engine(load_model(model_dir, cfg, dist.device), cfg, dist)
     reference = load_model(model_dir, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
-    models = 1 + (reference is not None)  # that old_and_reference_logprobs runs the rows through
+    models = 1 + (reference is not None)  # that the old (and reference) log-probs run the rows through
     try:
-        logprob_s, update_s, totals = [], [], {}
+        logprob_s, update_s, metrics = [], [], {}
         for i in range(1 + s.repeats):  # the first is a warm-up
             synchronize(s.device)
             start = time.perf_counter()
-            totals = old_and_reference_logprobs(engine.module, reference, micro, cfg, dist.device)
-            synchronize(s.device)
-            middle = time.perf_counter()
-            totals |= optimize(engine, micro, plan, rollouts, params, cfg, dist.world_size, dist.device)
+            # recompute_old: the old log-probs get their own forward, as with the paper's 4 optimiser steps per batch
+            metrics = train_on_batch(engine, reference, rollouts, params, cfg, dist, pad_id=0, seed=i,
+                                     recompute_old=True)
             synchronize(s.device)
             if i:
-                logprob_s.append(middle - start)
-                update_s.append(time.perf_counter() - middle)
+                # The log-prob phase is timed inside without a final device sync, so its last forward may end
+                # inside the update's time: the update figures are, if anything, understated.
+                logprob_s.append(metrics["time/logprob"])
+                update_s.append(time.perf_counter() - start - metrics["time/logprob"])
         peak = memory.peak()
-        grad_norm = float(engine.get_global_grad_norm() or float("nan"))
         num_params = sum(p.numel() for p in engine.module.parameters())
         checkpointing = engine.module.is_gradient_checkpointing  # what load_model made of the setting
-        bad = [key for key, value in totals.items() if not torch.isfinite(torch.as_tensor(value)).all()]
     finally:
         if hasattr(engine, "destroy"):
             engine.destroy()
@@ -290,8 +288,9 @@ def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
         gc.collect()
         if s.device == "cuda":
             torch.cuda.empty_cache()
-    if bad or not math.isfinite(grad_norm):
-        raise CheckFailed(f"non-finite results: {bad or 'grad norm'} ({grad_norm})")
+    bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+    if bad or metrics["train/skipped_steps"]:
+        raise CheckFailed(f"non-finite metrics {bad}, {metrics['train/skipped_steps']} optimiser steps skipped")
 
     tokens = sum(r.num_tokens for r in rollouts)
     update, logprob = statistics.median(update_s), statistics.median(logprob_s)
@@ -300,17 +299,25 @@ def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
     attention = 6 * m["num_hidden_layers"] * m["hidden_size"] * sum(r.num_tokens**2 for r in rollouts)
     peak_flops_per_s = peak_flops(s)
     figures = {
-        "params": num_params, "tokens_per_step": tokens, "micro_batches": sum(len(m) for m in micro),
-        "update_s": update, "tokens_per_s": tokens / update, "mfu": flops / update / peak_flops_per_s,
-        "mfu_with_attention": (flops + attention) / update / peak_flops_per_s,
+        "params": num_params, "tokens_per_step": tokens, "update_s": update, "tokens_per_s": tokens / update,
+        "mfu": flops / update / peak_flops_per_s, "mfu_with_attention": (flops + attention) / update / peak_flops_per_s,
         "logprob_s": logprob, "logprob_tokens_per_s": tokens * models / logprob,
-        "peak_memory_gib": peak / GiB, "memory_at_start_gib": memory.base / GiB, "grad_norm": grad_norm,
-        "reference_model": models == 2, "gradient_checkpointing": checkpointing,
-        "peak_tflops": peak_flops_per_s / 1e12,
+        "peak_memory_gib": peak / GiB, "memory_at_start_gib": memory.base / GiB,
+        "grad_norm": metrics["optim/grad_norm"], "reference_model": models == 2,
+        "gradient_checkpointing": checkpointing, "peak_tflops": peak_flops_per_s / 1e12,
     }
     return Outcome(figures, f"{tokens / update:,.0f} tokens/s in the update, MFU {figures['mfu']:.1%} "
                             f"({figures['mfu_with_attention']:.1%} with attention), peak memory {peak / GiB:.1f} GiB, "
                             f"{num_params / 1e6:,.1f}M params, {tokens} tokens per step")
+
+
+def _train_module():
+    """launch/train.py as a module: its `train_on_batch` is the loop's steps 6-7."""
+    if "apmpo_train" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("apmpo_train", ROOT / "launch" / "train.py")
+        module = sys.modules["apmpo_train"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["apmpo_train"]
 
 
 _MODEL_DIRS: dict[Shapes, str] = {}
