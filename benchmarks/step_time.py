@@ -1,0 +1,283 @@
+"""Seconds per RL step: apmpo (`launch/train.py`, its vLLM server, DeepSpeed) vs. an in-process baseline, same task.
+
+    python benchmarks/step_time.py                                  # quickstart + 4x512 model; 8, 64, 128 tokens
+    PYTHONPATH=/dir/with/trl python benchmarks/step_time.py         # the baseline is TRL's GRPOTrainer
+    python benchmarks/step_time.py --tiny                           # CI: quickstart model, 8 tokens, 3 steps
+
+The task is the quickstart's (16 prompts x 8 samples, apmpo/quickstart.py), one optimiser step per rollout batch,
+KL beta 0.001 against a reference model, fp32. The models: the quickstart's (2 layers, hidden 128, 22 tokens) and
+one of realistic shape (4 layers, hidden 512, 8 heads, 2 KV heads, a 32000-token vocabulary whose extra tokens
+no prompt uses: a random model of that size rarely stops, so its completions run to the limit on both sides).
+The learning rate is tiny so that the policy, and with it the completion lengths, stay the same on both sides
+over the run (the printed mean lengths show it).
+
+The baseline is TRL's GRPOTrainer (HF generate in process) when `trl` is importable, else a plain in-process
+GRPO step (HF generate, a log-prob forward of the policy and the reference, one backward, AdamW), written
+here. It runs with the threads apmpo's learner takes (apmpo.learner.engine: cores // (ranks + 1)).
+
+Each figure is the median s/step after `--warmup` steps; apmpo's phase split comes from its metrics.jsonl
+(time/*), its start-up is the run's wall time less its steps. Runs alternate apmpo / baseline per setting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("generate", "reward", "logprob", "update", "weight_sync")
+BIG = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1536)
+BIG_VOCAB = 32000
+LR, BETA, PROMPTS, GROUP = 1e-7, 0.001, 16, 8
+
+
+def learner_threads() -> int:
+    return max(1, (os.cpu_count() or 1) // 2)  # one learner rank: apmpo.learner.engine.init_distributed's rule
+
+
+# --- models ----------------------------------------------------------------------------------------------------
+
+
+def save_models(root: Path, sizes: list[str]) -> dict[str, Path]:
+    from apmpo import tiny
+    from apmpo.quickstart import build_tokenizer, save_quickstart_model
+
+    paths = {}
+    if "quickstart" in sizes:
+        paths["quickstart"] = save_quickstart_model(root / "quickstart")
+    if "big" in sizes:
+        paths["big"] = tiny.save_tiny_model(root / "big", tokenizer=_padded_tokenizer(build_tokenizer()), **BIG)
+    return paths
+
+
+def _padded_tokenizer(tokenizer):
+    """The quickstart's character tokenizer with filler tokens up to BIG_VOCAB: the prompts encode as before, and
+    every id the model can sample decodes (to letters, never to a digit: a wrong answer)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    k = 0
+    while len(vocab) < BIG_VOCAB:
+        word = "".join(letters[(k // 26**i) % 26] for i in range(4))
+        vocab.setdefault("Q" + word, len(vocab))
+        k += 1
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=tokenizer.eos_token,
+                                   pad_token=tokenizer.pad_token, chat_template=tokenizer.chat_template)
+
+
+# --- apmpo -----------------------------------------------------------------------------------------------------
+
+
+def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path) -> dict:
+    sets = {"model.path": model, "model.dtype": "fp32", "rollout.prompts_per_step": PROMPTS,
+            "rollout.group_size": GROUP, "rollout.max_tokens": tokens, "rollout.max_model_len": tokens + 64,
+            "train.mini_batch_size": PROMPTS, "train.steps": steps, "loss.kl_beta": BETA, "optim.lr": LR,
+            "optim.warmup_steps": 0, "checkpoint.save_every": 0, "logging.tensorboard": "false",
+            "logging.output_dir": out, "logging.run_name": "apmpo"}
+    command = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs/quickstart.yaml"),
+               *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"launch/train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "apmpo" / "metrics.jsonl").read_text().splitlines()]
+    kept = rows[warmup:]
+    return {"step": statistics.median(r["time/step"] for r in kept),
+            **{p: statistics.median(r[f"time/{p}"] for r in kept) for p in PHASES},
+            "length": statistics.mean(r["response/length_mean"] for r in kept),
+            "startup": wall - sum(r["time/step"] for r in rows)}
+
+
+# --- baseline (in a process of its own, like apmpo's run) ------------------------------------------------------
+
+
+def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path) -> dict:
+    command = [sys.executable, __file__, "--baseline-run", str(model), str(tokens), str(steps), str(out)]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"baseline failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads((out / "baseline.json").read_text())
+    kept = result["steps"][warmup:]
+    return {"step": statistics.median(kept), "length": statistics.mean(result["lengths"][warmup:]),
+            "startup": wall - sum(result["steps"]), "name": result["name"]}
+
+
+def baseline_main(model: str, tokens: int, steps: int, out: Path) -> None:
+    import torch
+
+    torch.set_num_threads(learner_threads())
+    torch.manual_seed(0)
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        result = _plain_grpo(model, tokens, steps)
+    else:
+        result = _trl_grpo(model, tokens, steps, out)
+    (out / "baseline.json").write_text(json.dumps(result))
+
+
+def _prompts(n: int) -> list[dict]:
+    from apmpo.quickstart import make_samples
+
+    return make_samples(n, seed=0)
+
+
+def _reward(completions: list[str], samples: list[dict]) -> list[float]:
+    from apmpo.quickstart import reward
+
+    return [reward(c, s) for c, s in zip(completions, samples)]
+
+
+def _trl_grpo(model: str, tokens: int, steps: int, out: Path) -> dict:
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    samples = _prompts(PROMPTS * steps)
+    data = Dataset.from_list([{"prompt": s["messages"], "answer": s["answer"]} for s in samples])
+
+    def reward(completions, answer, **_) -> list[float]:
+        return _reward([c[0]["content"] for c in completions], [{"answer": a} for a in answer])
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.last, self.steps, self.lengths = None, [], []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(time.perf_counter() - self.last)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
+    clock = Clock()
+    # 16 prompts x 8 completions a step; 16 completions per forward, 8 of them accumulated: one optimiser step
+    # per generation batch.
+    config = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=16, gradient_accumulation_steps=8,
+                        num_generations=GROUP, max_completion_length=tokens, max_steps=steps, learning_rate=LR,
+                        beta=BETA, temperature=1.0, top_k=0, logging_steps=1, save_strategy="no", report_to="none",
+                        use_cpu=True, bf16=False, seed=0, disable_tqdm=True, lr_scheduler_type="constant")
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, callbacks=[clock])
+    trainer.train()
+    return {"name": f"TRL {trl.__version__} GRPOTrainer", "steps": clock.steps, "lengths": clock.lengths}
+
+
+def _plain_grpo(model_path: str, tokens: int, steps: int) -> dict:
+    """HF generate, then one GRPO step: old/reference log-probs without grad, the clipped-ratio loss with a k3 KL
+    term, backward, AdamW. The whole rollout batch in one forward; no chunking."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=LR)
+    samples = _prompts(PROMPTS * steps)
+    times, lengths = [], []
+
+    def token_logprobs(model, ids, attention, start):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, start - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, start:, None]).squeeze(-1)
+
+    for step in range(steps):
+        tick = time.perf_counter()
+        batch = samples[step * PROMPTS : (step + 1) * PROMPTS]
+        texts = [tokenizer.apply_chat_template(s["messages"], tokenize=False, add_generation_prompt=True) for s in batch]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        policy.eval()
+        with torch.no_grad():
+            ids = policy.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
+                                  num_return_sequences=GROUP, pad_token_id=tokenizer.pad_token_id)
+        start = enc.input_ids.shape[1]
+        completion = ids[:, start:]
+        # Tokens up to and including the first EOS count; after it, padding.
+        eos = (completion == tokenizer.eos_token_id).int()
+        mask = (eos.cumsum(1) - eos) == 0
+        lengths.append(mask.sum(1).float().mean().item())
+        rewards = torch.tensor(_reward(tokenizer.batch_decode(completion * mask + tokenizer.pad_token_id * ~mask,
+                                                              skip_special_tokens=True),
+                                       [s for s in batch for _ in range(GROUP)])).view(PROMPTS, GROUP)
+        advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+        attention = torch.cat([enc.attention_mask.repeat_interleave(GROUP, 0), mask.long()], 1)
+        with torch.no_grad():
+            old = token_logprobs(policy, ids, attention, start)
+            ref = token_logprobs(reference, ids, attention, start)
+        policy.train()
+        logp = token_logprobs(policy, ids, attention, start)
+        ratio = torch.exp(logp - old)
+        surrogate = torch.minimum(ratio * advantages[:, None], ratio.clamp(0.8, 1.2) * advantages[:, None])
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        per_token = -(surrogate - BETA * kl)
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - tick)
+    return {"name": "plain PyTorch GRPO (HF generate)", "steps": times, "lengths": lengths}
+
+
+# --- main ------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CI: quickstart model, 8 tokens, 3 steps, 1 warm-up")
+    parser.add_argument("--sizes", nargs="+", default=["quickstart", "big"], choices=["quickstart", "big"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[8, 64, 128], help="max new tokens")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--rounds", type=int, default=1, help="apmpo / baseline pairs per setting")
+    parser.add_argument("--baseline-run", nargs=4, metavar=("MODEL", "TOKENS", "STEPS", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.baseline_run:
+        model, tokens, steps, out = args.baseline_run
+        return baseline_main(model, int(tokens), int(steps), Path(out))
+    if args.tiny:
+        args.sizes, args.tokens, args.steps, args.warmup = ["quickstart"], [8], 3, 1
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+
+    root = Path(tempfile.mkdtemp(prefix="apmpo_step_time_"))
+    models = save_models(root, args.sizes)
+    load = os.getloadavg()[0]
+    print(f"{os.cpu_count()} cores, load {load:.1f} at start; {PROMPTS} prompts x {GROUP} samples, beta {BETA}, fp32; "
+          f"baseline threads {learner_threads()}; median of steps {args.warmup + 1}-{args.steps}, "
+          f"{args.rounds} round(s)", flush=True)
+    for size in args.sizes:
+        for tokens in args.tokens:
+            ours, theirs = [], []
+            for r in range(args.rounds):
+                ours.append(run_apmpo(models[size], tokens, args.steps, args.warmup, root / f"{size}_{tokens}_{r}"))
+                theirs.append(run_baseline(models[size], tokens, args.steps, args.warmup,
+                                           root / f"{size}_{tokens}_{r}"))
+            a = {k: statistics.median(run[k] for run in ours) for k in ours[0]}
+            b = {k: statistics.median(run[k] for run in theirs) for k in ("step", "length", "startup")}
+            phases = ", ".join(f"{p} {a[p]:.3f}" for p in PHASES)
+            print(f"\n{size} model, {tokens} new tokens:", flush=True)
+            print(f"  apmpo:    {a['step']:.3f} s/step  (length {a['length']:.1f}; start-up {a['startup']:.0f} s)  "
+                  f"{phases}")
+            print(f"  baseline: {b['step']:.3f} s/step  (length {b['length']:.1f}; start-up {b['startup']:.0f} s)  "
+                  f"{theirs[0]['name']}")
+            print(f"  ratio apmpo/baseline speed: {b['step'] / a['step']:.2f}x  (baseline s/step over apmpo s/step)", flush=True)
+    print(f"load {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
