@@ -5,8 +5,9 @@ the whole completion). Both queries run on `sample["db_path"]`, and the results 
 `sample["metric"]`:
 
 - "spider" (default), the official rule of Spider's test-suite evaluation (exec_eval.py):
-  DISTINCT is removed from both queries; rows are a multiset, or a list when the gold query has
-  ORDER BY; columns may be permuted; values compare with Python `==`; two empty results are equal.
+  both queries get its normalisation first (`spider_normalize`), DISTINCT is removed from both;
+  rows are a multiset, or a list when the gold query has ORDER BY; columns may be permuted; values
+  compare with Python `==`; two empty results are equal.
 - "bird", BIRD's rule: `set(pred_rows) == set(gold_rows)`, queries run as written.
 
 Safety: the database is opened through a `mode=ro` URI with `PRAGMA query_only`, an authorizer
@@ -46,6 +47,22 @@ def extract_sql(completion: str) -> str:
     """The last ```sql block of `completion`, else its last ``` block, else the completion itself."""
     blocks = _SQL_FENCE.findall(completion) or _ANY_FENCE.findall(completion)
     return (blocks[-1] if blocks else completion).strip()
+
+
+# github.com/taoyds/test-suite-sql-eval: exec_eval.postprocess ("> =" -> ">=" and the like, "to avoid execution
+# errors") and exec_eval.replace_cur_year (YEAR(CURDATE()) -> 2020, inside exec_on_db_) run on both queries;
+# evaluation.evaluate first turns a predicted " value " placeholder into " 1 " (the prediction only).
+_SPLIT_OPERATORS = (("> =", ">="), ("< =", "<="), ("! =", "!="))
+_CUR_YEAR = re.compile(r"YEAR\s*\(\s*CURDATE\s*\(\s*\)\s*\)\s*", re.IGNORECASE)
+
+
+def spider_normalize(sql: str, predicted: bool) -> str:
+    """`sql` as Spider's official execution evaluation runs it (see above); `predicted`: the model's query."""
+    if predicted:
+        sql = sql.replace(" value ", " 1 ")
+    for split, joined in _SPLIT_OPERATORS:
+        sql = sql.replace(split, joined)
+    return _CUR_YEAR.sub("2020", sql)
 
 
 def remove_distinct(sql: str) -> str:
@@ -135,7 +152,8 @@ def execution_match(
     if metric not in ("spider", "bird"):
         raise ValueError(f"unknown SQL metric {metric!r}; expected 'spider' or 'bird'")
     if metric == "spider":
-        pred_sql, gold_sql = remove_distinct(pred_sql), remove_distinct(gold_sql)
+        pred_sql = remove_distinct(spider_normalize(pred_sql, predicted=True))
+        gold_sql = remove_distinct(spider_normalize(gold_sql, predicted=False))
     gold = list(_gold_rows(str(Path(db_path).resolve()), gold_sql, timeout_s))
     try:
         pred = execute_readonly(db_path, pred_sql, timeout_s)
