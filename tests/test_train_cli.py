@@ -73,6 +73,8 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
         (["--config", str(bad)], "unknown key 'rollout.temprature'; did you mean 'rollout.temperature'?"),
         (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", "train.steps=many"], "train.steps expects int"),
         (["--config", str(tmp_path / "missing.yaml")], "config file not found"),
+        (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", "loss.name=nope"],
+         "loss.name must be one of ['apmpo', 'grpo', 'dapo', 'gmpo', 'dr_grpo', 'gspo'], got 'nope'"),
     ):
         start = time.time()
         done = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), *args], capture_output=True,
@@ -129,9 +131,24 @@ def test_dapo_switches(tmp_path):
         assert 1 <= r["rollout/rounds"] <= 3
         # Groups whose rewards are all equal were dropped while rounds were left.
         assert r["rollout/informative_groups_frac"] == 1.0 or r["rollout/rounds"] == 3
-        # Completions at max_tokens (4) get the full overlong penalty: trained rewards fall below raw ones.
-        assert r["reward/trained_mean"] <= r["reward/mean"] or r["response/truncated_frac"] == 0
         assert r["rollout/trained_sequences"] <= (1 - r["response/truncated_frac"]) * 16 * 8 * r["rollout/rounds"]
+
+
+@pytest.mark.slow
+def test_overlong_penalty_reaches_the_trained_rewards(tmp_path):
+    """DAPO's overlong shaping, exactly, from the logged means. With the buffer as long as max_tokens (4) every
+    completion is in the linear part: penalty(n) = -0.5 * min(1, (n - (4 - 4)) / 4) = -n / 8 for n = 1..4
+    tokens (n = 0 gives 0 = -0 / 8 too). Without dynamic sampling every group is trained, so over the same
+    16 x 8 completions: trained mean = mean(R - n / 8) = reward/mean - response/length_mean / 8."""
+    run(quickstart_command(tmp_path, "loss.name=dapo", "train.steps=2", "checkpoint.save_every=0",
+                           "rollout.overlong_buffer=4", "rollout.overlong_penalty=0.5"))
+    records = metrics(tmp_path / "quickstart")
+    assert len(records) == 2
+    for r in records:
+        assert (r["rollout/rounds"], r["rollout/groups"]) == (1, 16)
+        assert r["response/length_mean"] > 1  # the penalty is not vanishing
+        want = r["reward/mean"] - r["response/length_mean"] / 8
+        assert r["reward/trained_mean"] == pytest.approx(want, abs=1e-6)
 
 
 @pytest.mark.slow
