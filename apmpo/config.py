@@ -101,6 +101,9 @@ class TrainConfig:
     # server, generates and scores: a cold start or a long rollout must not abort the job (NCCL's and DeepSpeed's
     # default is 10-30 min).
     dist_timeout_s: float = 7200.0
+    # A step whose gradient norm is not finite is skipped (and counted, train/skipped_steps); this many training
+    # steps in a row with a skip stop the run: training must never go on silently doing nothing.
+    max_skipped_in_a_row: int = 3
     zero_stage: int = 2
     seed: int = 0
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path
@@ -144,8 +147,13 @@ class Config:
         return self.rollout.prompts_per_step * self.rollout.group_size
 
     @property
-    def optimizer_steps_per_rollout(self) -> int:
-        return self.rollout.prompts_per_step // self.train.mini_batch_size * self.train.epochs
+    def mini_batches_per_rollout(self) -> int:
+        """Optimiser steps per epoch over a rollout batch."""
+        return self.rollout.prompts_per_step // self.train.mini_batch_size
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        return self.train.steps * self.mini_batches_per_rollout * self.train.epochs
 
     def validate(self, check_sources: bool = True) -> "Config":
         """Cross-field checks; field types were checked on load. `check_sources`: the model, data and reward
@@ -155,6 +163,7 @@ class Config:
                     "rollout.max_tokens": r.max_tokens, "train.steps": t.steps, "train.epochs": t.epochs,
                     "train.mini_batch_size": t.mini_batch_size, "train.micro_batch_tokens": t.micro_batch_tokens,
                     "train.dist_timeout_s": t.dist_timeout_s, "optim.lr": self.optim.lr,
+                    "train.max_skipped_in_a_row": t.max_skipped_in_a_row,
                     "rollout.reward_timeout_s": r.reward_timeout_s}
         for key, value in positive.items():
             if not value > 0:  # NaN too
@@ -189,7 +198,8 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["derived"] = {"run_dir": str(self.run_dir), "samples_per_step": self.samples_per_step,
-                          "optimizer_steps_per_rollout": self.optimizer_steps_per_rollout}
+                          "mini_batches_per_rollout": self.mini_batches_per_rollout,
+                          "total_optimizer_steps": self.total_optimizer_steps}
         return out
 
 

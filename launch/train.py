@@ -26,15 +26,15 @@ import torch.distributed as torch_dist
 from transformers import AutoTokenizer
 
 from apmpo.config import Config, ConfigError, load_config, save_config
-from apmpo.learner.batching import plan_step
+from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import (latest_checkpoint, load_checkpoint, remove_incomplete, save_checkpoint,
                                      start_fresh)
-from apmpo.learner.engine import build_engine, check_devices, init_distributed, load_model
+from apmpo.learner.engine import Dist, build_engine, check_devices, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.rollouts import PromptSampler, collect_rollouts
 from apmpo.learner.setup import load_prompts, load_vision, prepare_model
-from apmpo.learner.update import micro_batches, old_and_reference_logprobs, optimize, reduce_metrics
-from apmpo.loss import adaptive_params
+from apmpo.learner.update import StepTotals, logprobs, truncated_importance_weights
+from apmpo.loss import AdaptiveParams, adaptive_params, policy_loss
 from apmpo.rewards import RewardPool, get_reward
 from apmpo.rollout.launcher import serve
 
@@ -86,6 +86,7 @@ def main(cfg: Config, resume: str) -> None:
                 client.push_weights(engine.module.named_parameters())
             logger = stack.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
 
+        skipped_in_a_row = 0
         for step in range(start_step + 1, cfg.train.steps + 1):
             step_start, times = time.perf_counter(), {}
             step_seed = cfg.train.seed * 100_003 + step  # sampling and the mini-batch order, resumable
@@ -96,23 +97,19 @@ def main(cfg: Config, resume: str) -> None:
                                          seed=step_seed, loss=cfg.loss, times=times,
                                          vision=vision)
                 params = adaptive_params(batch.rewards, cfg.loss)
-            # ---------------------------------------------------------- 5. every rank gets the batch and the plan
+            # ---------------------------------------------------------- 5. every rank gets the batch
             payload = [(batch.rollouts, params) if dist.is_main else None]
             torch_dist.broadcast_object_list(payload, src=0)
             rollouts, params = payload[0]
-            plan = plan_step(rollouts, cfg.optimizer_steps_per_rollout // cfg.train.epochs, dist.world_size,
-                             cfg.train.micro_batch_tokens, seed=step_seed)
-            micro = micro_batches(rollouts, plan, dist.rank, tokenizer.pad_token_id)
 
-            # ---------------------------------------------------------- 6. old and reference log-probs
-            tick = time.perf_counter()
-            totals = old_and_reference_logprobs(engine.module, reference, micro, cfg, dist.device)
-            times["logprob"] = time.perf_counter() - tick
-
-            # ---------------------------------------------------------- 7. update: mini-batches x epochs
-            tick = time.perf_counter()
-            totals |= optimize(engine, micro, plan, rollouts, params, cfg, dist.world_size, dist.device)
-            times["update"] = time.perf_counter() - tick
+            # ---------------------------------------------------------- 6-7. log-probs, then the optimiser steps
+            metrics = train_on_batch(engine, reference, rollouts, params, cfg, dist, tokenizer.pad_token_id, step_seed)
+            skipped_in_a_row = skipped_in_a_row + 1 if metrics["train/skipped_steps"] else 0
+            if skipped_in_a_row >= cfg.train.max_skipped_in_a_row:
+                raise RuntimeError(
+                    f"{skipped_in_a_row} steps in a row had a non-finite loss or gradient norm (step {step}: "
+                    f"loss/total={metrics.get('loss/total')}); stopping rather than training on nothing. Check the "
+                    "rewards (reward/failures), the learning rate and the model's dtype.")
 
             # ---------------------------------------------------------- 8. weight sync
             tick = time.perf_counter()
@@ -122,11 +119,9 @@ def main(cfg: Config, resume: str) -> None:
             times["weight_sync"] = time.perf_counter() - tick
 
             # ---------------------------------------------------------- 9. log and checkpoint
-            reduced = reduce_metrics(totals, dist.device, dist.world_size, len(plan) * cfg.train.epochs)
             if dist.is_main:
                 times["step"] = time.perf_counter() - step_start
-                logger.log(step, {**batch.metrics, **reduced, "optim/lr": engine.get_lr()[0],
-                                  "optim/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                logger.log(step, {**batch.metrics, **metrics, "optim/lr": engine.get_lr()[0],
                                   **{f"time/{k}": v for k, v in times.items()}})
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps):
                 state = {"sampler": sampler.state_dict()} if dist.is_main else {}
@@ -134,6 +129,58 @@ def main(cfg: Config, resume: str) -> None:
                                 cfg.checkpoint.export_hf)
     if dist.is_main:
         print(f"[apmpo] done: {run_dir}", flush=True)
+
+
+def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveParams, cfg: Config, dist: Dist,
+                   pad_id: int, seed: int, recompute_old: bool = False) -> dict[str, float]:
+    """Steps 6-7 on every rank: old and reference log-probs, then `epochs` passes over the mini-batches, one
+    DeepSpeed optimiser step each. Returns the step's metrics, reduced over ranks, with their timings."""
+    plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed)
+    micro = [[collate(rollouts, indices, pad_id) for indices in step.micro[dist.rank]] for step in plan]
+    groups = torch.tensor([r.group for r in rollouts])
+    totals, times, device = StepTotals(), {}, dist.device
+    # One optimiser step on the batch it sampled: the old policy is the current one, so the old log-probs are
+    # the update forward's own, detached (as TRL and verl do), and a whole forward pass is saved. The step is
+    # the same bit for bit (tests/test_learner.py). Otherwise the old log-probs are computed first.
+    on_policy = len(plan) == 1 and cfg.train.epochs == 1 and not recompute_old
+
+    # -------------------------------------------------------------- 6. old and reference log-probs
+    tick = time.perf_counter()
+    with torch.no_grad():
+        for mb in (mb for mini in micro for mb in mini):
+            if not on_policy:
+                mb.old_logp, entropy = logprobs(engine.module, mb, cfg, device, with_entropy=True)
+                totals.add_entropy(entropy, mb, device)
+            if reference is not None:
+                mb.ref_logp, _ = logprobs(reference, mb, cfg, device)
+    times["time/logprob"] = time.perf_counter() - tick
+
+    # -------------------------------------------------------------- 7. update: epochs x mini-batches
+    tick = time.perf_counter()
+    skipped = 0
+    for _ in range(cfg.train.epochs):
+        for step, mini in zip(plan, micro):
+            for k, mb in enumerate(mini):
+                engine.set_gradient_accumulation_boundary(k == len(mini) - 1)
+                logp, entropy = logprobs(engine.module, mb, cfg, device, with_entropy=on_policy)
+                if on_policy:
+                    mb.old_logp = logp.detach()
+                    totals.add_entropy(entropy, mb, device)
+                advantages = mb.advantages.to(device)
+                if cfg.train.tis_cap is not None:
+                    advantages = advantages * truncated_importance_weights(mb, cfg.train.tis_cap, device)
+                # Global normalisers of this optimiser step; DeepSpeed averages gradients over ranks, hence / world.
+                loss, metrics = policy_loss(
+                    logp, mb.old_logp, advantages, mb.loss_mask.to(device), cfg.loss,
+                    params.per_sequence(groups[mb.indices]), ref_logp=mb.ref_logp,
+                    num_seqs=step.num_seqs / dist.world_size, num_tokens=step.num_tokens / dist.world_size)
+                engine.backward(loss * mb.weight)
+                totals.add(metrics, mb)
+            engine.step()  # skipped by DeepSpeed, gradients cleared, when the gradient norm is not finite
+            skipped += not engine.was_step_applied()
+    times["time/update"] = time.perf_counter() - tick
+    return {**totals.reduce(device, dist.world_size, len(plan) * cfg.train.epochs), **times,
+            "optim/grad_norm": float(engine.get_global_grad_norm() or 0.0), "train/skipped_steps": skipped}
 
 
 def parse_args(argv=None) -> tuple[Config, str]:

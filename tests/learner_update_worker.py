@@ -1,12 +1,14 @@
-"""Runs the learner's update (steps 5-7 of a training step) on synthetic rollouts, without a server.
+"""Runs the learner's update (launch/train.py's `train_on_batch`, steps 6-7) on synthetic rollouts, no server.
 
-    python tests/learner_update_worker.py OUT_DIR --set train.micro_batch_tokens=64
+    python tests/learner_update_worker.py OUT_DIR --set train.micro_batch_tokens=64 [--recompute-old]
     deepspeed --num_gpus 2 tests/learner_update_worker.py OUT_DIR ...
 
-Writes OUT_DIR/rank<r>.pt with the parameters after the optimiser steps, the gradient norm of each step and
-the rollouts this rank trained on. tests/test_learner.py compares runs that split the same batch differently.
+Writes OUT_DIR/rank<r>.pt with the parameters after the optimiser steps, the gradient norm of each step, the
+step's metrics and the rollouts this rank trained on. tests/test_learner.py compares runs that split the same
+batch differently.
 """
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -16,9 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from apmpo.config import load_config  # noqa: E402
 from apmpo.learner.batching import Rollout, plan_step  # noqa: E402
 from apmpo.learner.engine import build_engine, init_distributed  # noqa: E402
-from apmpo.learner.update import micro_batches, old_and_reference_logprobs, optimize  # noqa: E402
 from apmpo.loss import adaptive_params, group_advantages  # noqa: E402
 from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("apmpo_train", Path(__file__).resolve().parents[1] / "launch" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def synthetic_rollouts(num_groups: int, group_size: int, vocab: int, seed: int = 0):
@@ -41,6 +49,9 @@ def main():
     parser.add_argument("out_dir")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--local_rank", type=int, default=None)
+    parser.add_argument("--recompute-old", action="store_true", help="old log-probs by a separate forward")
+    parser.add_argument("--nan-advantage", action="store_true",
+                        help="fault injection: rollout 0's advantage is NaN (its optimiser step's gradients too)")
     args = parser.parse_args()
     # adam_eps well above round-off: Adam's first step is ~ lr * sign(g), so with a tiny eps a gradient that is
     # zero up to round-off would turn summation-order noise into +-lr steps and hide what the test compares.
@@ -55,18 +66,18 @@ def main():
 
     rollouts, rewards = synthetic_rollouts(cfg.rollout.prompts_per_step, cfg.rollout.group_size, len(tokenizer))
     params = adaptive_params(rewards, cfg.loss)
-    plan = plan_step(rollouts, cfg.optimizer_steps_per_rollout // cfg.train.epochs, dist.world_size,
-                     cfg.train.micro_batch_tokens, seed=0)
-    micro = micro_batches(rollouts, plan, dist.rank, tokenizer.pad_token_id)
-    old_and_reference_logprobs(engine.module, reference, micro, cfg, dist.device)
+    if args.nan_advantage:
+        rollouts[0].advantage = float("nan")
+    plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed=0)
     grad_norms = []
     engine.step = _recording(engine.step, engine, grad_norms)
-    optimize(engine, micro, plan, rollouts, params, cfg, dist.world_size, dist.device)
+    metrics = load_train_module().train_on_batch(engine, reference, rollouts, params, cfg, dist,
+                                                 tokenizer.pad_token_id, seed=0, recompute_old=args.recompute_old)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-                "grad_norms": grad_norms, "micro_batches": [len(m) for m in micro],
-                "trained": sorted(i for mini in micro for mb in mini if mb.weight for i in mb.indices)},
+                "grad_norms": grad_norms, "micro_batches": [len(step.micro[dist.rank]) for step in plan],
+                "metrics": metrics, "trained": sorted(i for step in plan for m in step.micro[dist.rank] for i in m)},
                out / f"rank{dist.rank}.pt")
 
 

@@ -16,11 +16,13 @@ def test_plan_covers_every_sequence_once_with_equal_micro_batch_counts(world_siz
     assert len(plan) == 4
     seen = []
     for step in plan:
-        assert len({len(rank) for rank in step}) == 1  # same number of micro-batches on every rank
-        step_indices = [i for rank in step for micro in rank for i in micro]
+        assert len({len(rank) for rank in step.micro}) == 1  # same number of micro-batches on every rank
+        step_indices = [i for rank in step.micro for micro in rank for i in micro]
+        assert sorted(step.indices) == sorted(step_indices)
         assert len({batch[i].group for i in step_indices}) == 2  # whole groups: 8 groups over 4 steps
+        assert step.num_seqs == 8 and step.num_tokens == sum(len(batch[i].completion_ids) for i in step_indices)
         seen += step_indices
-        for rank in step:
+        for rank in step.micro:
             for micro in rank:
                 if len(micro) > 1:
                     assert len(micro) * max(batch[i].num_tokens for i in micro) <= budget

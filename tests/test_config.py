@@ -69,7 +69,8 @@ def test_base_files_merge_and_cross_field_checks(tmp_path):
     (tmp_path / "child.yaml").write_text("base: base.yaml\nloss:\n  gamma: 0.6\ntrain:\n  mini_batch_size: 16\n")
     cfg = load_config(tmp_path / "child.yaml")
     assert (cfg.loss.name, cfg.loss.gamma, cfg.rollout.prompts_per_step) == ("apmpo", 0.6, 64)
-    assert cfg.optimizer_steps_per_rollout == 4 and cfg.samples_per_step == 512
+    assert cfg.mini_batches_per_rollout == 4 and cfg.samples_per_step == 512
+    assert load_config(tmp_path / "child.yaml", ["train.epochs=2", "train.steps=10"]).total_optimizer_steps == 80
     with pytest.raises(ConfigError, match=r"multiple of train.mini_batch_size \(48\)"):
         load_config(tmp_path / "child.yaml", ["train.mini_batch_size=48"])
     with pytest.raises(ConfigError, match="eps_min <= eps_max"):
@@ -119,7 +120,7 @@ def test_paper_recipe():
             cfg = load_config(PAPER / f"math_{model}_{method}.yaml")
             assert cfg.loss.name == method and cfg.logging.run_name == f"math_{model}_{method}"
             assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature) == (512, 8, 1.0)
-            assert (cfg.optim.lr, cfg.train.steps, cfg.loss.kl_beta, cfg.optimizer_steps_per_rollout) == (1e-6, 400, 0.001, 4)
+            assert (cfg.optim.lr, cfg.train.steps, cfg.loss.kl_beta, cfg.mini_batches_per_rollout) == (1e-6, 400, 0.001, 4)
             assert cfg.rollout.dynamic_sampling == (method == "dapo")
     apmpo = load_config(PAPER / "math_qwen2.5-math-1.5b_apmpo.yaml").loss
     assert (apmpo.gamma, apmpo.eps_min, apmpo.eps_max, apmpo.eps_low, apmpo.delta) == (0.8, 0.2, 0.4, 0.2, 1e-6)

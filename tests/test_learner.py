@@ -5,6 +5,7 @@ token budget (one micro-batch per optimiser step), a tiny one (many micro-batche
 learner processes under the `deepspeed` launcher. Gradient norms are compared step by step (a wrong
 normaliser changes them even where Adam's update would hide it) and the parameters after the steps.
 """
+import math
 import os
 import subprocess
 import sys
@@ -20,8 +21,8 @@ WORKER = ROOT / "tests" / "learner_update_worker.py"
 BIN = Path(sys.executable).parent
 
 
-def run_worker(out_dir, *overrides, ranks=1):
-    sets = [arg for o in overrides for arg in ("--set", o)]
+def run_worker(out_dir, *overrides, ranks=1, extra=()):
+    sets = [arg for o in overrides for arg in ("--set", o)] + list(extra)
     if ranks == 1:
         command = [sys.executable, str(WORKER), str(out_dir), *sets]
     else:
@@ -54,3 +55,33 @@ def test_update_is_independent_of_micro_batches_accumulation_and_ranks(tmp_path,
     assert_same_step(whole, rank0)  # and two ranks take the same step as one
     assert not set(rank0["trained"]) & set(rank1["trained"])  # the rollouts were sharded
     assert sorted(rank0["trained"] + rank1["trained"]) == list(range(32))
+
+
+def assert_identical(a, b):
+    assert a["grad_norms"] == b["grad_norms"]
+    for name, value in a["params"].items():
+        torch.testing.assert_close(value, b["params"][name], rtol=0, atol=0, msg=name)
+    same = {k: v for k, v in a["metrics"].items() if not k.startswith("time/")}
+    assert same == {k: v for k, v in b["metrics"].items() if not k.startswith("time/")}
+
+
+@pytest.mark.slow
+def test_on_policy_step_reuses_the_update_forward_bit_for_bit(tmp_path):
+    # One optimiser step per rollout batch, one epoch: the old log-probs are the update forward's own, detached.
+    # Values, gradients (norms and the parameters after the step) and metrics equal a separate no-grad forward's.
+    common = ("train.mini_batch_size=8", "loss.kl_beta=0.05", "train.tis_cap=2.0", "train.micro_batch_tokens=60")
+    reused, = run_worker(tmp_path / "reused", *common)
+    recomputed, = run_worker(tmp_path / "recomputed", *common, extra=("--recompute-old",))
+    assert len(reused["grad_norms"]) == 1 and max(reused["micro_batches"]) > 3
+    assert_identical(reused, recomputed)
+    assert reused["metrics"]["policy/entropy"] > 0
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
+    # Rollout 0's advantage is NaN: its optimiser step's gradient norm is not finite, so that step is skipped
+    # (no NaN reaches the weights) and counted; the other step of the batch is taken as usual.
+    faulty, = run_worker(tmp_path / "faulty", "train.micro_batch_tokens=100000", extra=("--nan-advantage",))
+    assert faulty["metrics"]["train/skipped_steps"] == 1
+    assert sum(math.isfinite(n) for n in faulty["grad_norms"]) == 1
+    assert all(torch.isfinite(p).all() for p in faulty["params"].values())

@@ -103,10 +103,24 @@ def equalize(micro: list[list[int]], count: int) -> list[list[int]]:
     return micro
 
 
+@dataclass(frozen=True)
+class OptimizerStep:
+    """One optimiser step of a training step's plan."""
+
+    micro: list[list[list[int]]]  # micro[rank][k]: rollout indices of that rank's k-th micro-batch ([]: a dummy)
+    num_seqs: int  # sequences in this optimiser step, all ranks together: the loss's global normalisers
+    num_tokens: int  # completion tokens in it, all ranks together
+
+    @property
+    def indices(self) -> list[int]:
+        return [i for rank in self.micro for batch in rank for i in batch]
+
+
 def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_budget: int, seed: int
-              ) -> list[list[list[list[int]]]]:
-    """plan[step][rank] = that rank's micro-batches (lists of rollout indices) for each optimiser step.
-    No rollouts (all masked, e.g. every completion truncated under rollout.mask_truncated): no step."""
+              ) -> list[OptimizerStep]:
+    """The optimiser steps of one rollout batch (`num_steps`, fewer if there are fewer groups), each cut into
+    every rank's micro-batches. No rollouts (all masked, e.g. every completion truncated under
+    rollout.mask_truncated): no step."""
     if not rollouts:
         return []
     lengths = [r.num_tokens for r in rollouts]
@@ -119,7 +133,8 @@ def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_bu
         indices = [i for g in chunk for i in by_group[groups[g]]]
         per_rank = [split_by_budget(s, lengths, token_budget) for s in shard_by_tokens(indices, lengths, world_size)]
         count = max(len(m) for m in per_rank)
-        plan.append([equalize(m, count) for m in per_rank])
+        plan.append(OptimizerStep([equalize(m, count) for m in per_rank], len(indices),
+                                  sum(len(rollouts[i].completion_ids) for i in indices)))
     return plan
 
 

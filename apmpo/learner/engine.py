@@ -133,7 +133,7 @@ def _check_no_dropout(model) -> None:
 def lr_lambda(cfg: Config):
     """Linear warm-up, then constant, cosine or linear decay to 0 over the remaining optimiser steps."""
     warmup = cfg.optim.warmup_steps
-    total = cfg.train.steps * cfg.optimizer_steps_per_rollout
+    total = cfg.total_optimizer_steps
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -157,7 +157,9 @@ def build_engine(model, cfg: Config, dist: Dist):
         "gradient_clipping": o.max_grad_norm,
         "zero_optimization": {"stage": cfg.train.zero_stage, "overlap_comm": dist.device.type == "cuda",
                               "contiguous_gradients": True},
-        "bf16": {"enabled": cfg.model.dtype == "bf16"},
+        # A non-finite gradient norm skips the step and clears the gradients (DeepSpeed does so in fp32 always,
+        # in bf16 only when asked): launch/train.py counts the skips.
+        "bf16": {"enabled": cfg.model.dtype == "bf16", "check_grad_overflow": True},
         # Micro-batch gradients are summed in fp32: a step has ~60 micro-batches at paper scale, and a bf16 sum
         # (DeepSpeed's default, the model's dtype) loses 2^-9 relative per addition.
         "data_types": {"grad_accum_dtype": "fp32"},

@@ -1,24 +1,19 @@
-"""Steps 6 and 7 of a training step on every rank: old/reference log-probs, then the optimiser steps.
-
-Both follow the plan of `apmpo.learner.batching.plan_step`, which every rank computes identically.
-"""
+"""The pieces of a training step's update that launch/train.py's loop calls on every rank: log-probs of a
+micro-batch, truncated importance weights, and the step's metric sums (one all-reduce at the end)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as torch_dist
+from torch import Tensor
 
 from apmpo.config import Config
-from apmpo.learner.batching import MicroBatch, Rollout, collate
+from apmpo.learner.batching import MicroBatch
 from apmpo.learner.logprobs import token_logprobs
-from apmpo.loss import AdaptiveParams, policy_loss
 
 # Each micro-batch holds a part of its optimiser step's loss: these add up, the other metrics are token means.
 ADDITIVE = ("loss/total", "loss/policy", "loss/kl")
-
-
-def micro_batches(rollouts: list[Rollout], plan: list, rank: int, pad_id: int) -> list[list[MicroBatch]]:
-    """This rank's padded micro-batches, per optimiser step."""
-    return [[collate(rollouts, indices, pad_id) for indices in ranks[rank]] for ranks in plan]
 
 
 def logprobs(model, mb: MicroBatch, cfg: Config, device, with_entropy: bool = False):
@@ -27,7 +22,7 @@ def logprobs(model, mb: MicroBatch, cfg: Config, device, with_entropy: bool = Fa
                           with_entropy=with_entropy, **{k: v.to(device) for k, v in mb.extras.items()})
 
 
-def truncated_importance_weights(mb: MicroBatch, cap: float, device) -> torch.Tensor:
+def truncated_importance_weights(mb: MicroBatch, cap: float, device) -> Tensor:
     """Sequence-level truncated importance sampling against the generation engine: the learner's old policy
     and the engine differ numerically (and by a step in async set-ups). w_i = min(exp(mean_t(log pi_old -
     log pi_engine)), cap), the geometric mean of the per-token ratios, applied to the advantage so it fits
@@ -37,59 +32,40 @@ def truncated_importance_weights(mb: MicroBatch, cap: float, device) -> torch.Te
     return torch.exp(log_ratio).clamp(max=cap)
 
 
-@torch.no_grad()
-def old_and_reference_logprobs(policy, reference, micro: list[list[MicroBatch]], cfg: Config, device) -> dict:
-    """Fills mb.old_logp (and mb.ref_logp) before the first update; returns entropy sums for the metrics."""
-    entropy_sum = torch.zeros((), device=device)
-    tokens = 0.0
-    for mb in (mb for mini in micro for mb in mini):
-        mb.old_logp, entropy = logprobs(policy, mb, cfg, device, with_entropy=True)
-        entropy_sum += (entropy * mb.loss_mask.to(device)).sum() * mb.weight
-        tokens += float(mb.loss_mask.sum()) * mb.weight
-        if reference is not None:
-            mb.ref_logp, _ = logprobs(reference, mb, cfg, device)
-    return {"policy/entropy": entropy_sum, "_tokens": torch.tensor(tokens, device=device)}
+@dataclass
+class StepTotals:
+    """This rank's metric sums over one training step; `reduce` all-reduces them once, at the end.
 
+    sums[key]: a token-weighted sum (key in `tokens`: reported as the token mean) or, for ADDITIVE keys, the
+    sum of the loss parts (reported per optimiser step). Values stay on the device: no host sync per micro-batch.
+    """
 
-def optimize(engine, micro: list[list[MicroBatch]], plan: list, rollouts: list[Rollout], params: AdaptiveParams,
-             cfg: Config, world_size: int, device) -> dict:
-    """`epochs` passes over the mini-batches, one DeepSpeed optimiser step each. Returns metric sums."""
-    groups = torch.tensor([r.group for r in rollouts])
-    totals: dict = {}
-    for _ in range(cfg.train.epochs):
-        for mini, ranks in zip(micro, plan):
-            # Global counts of this optimiser step. DeepSpeed averages gradients over ranks, hence / world_size.
-            indices = [i for rank in ranks for m in rank for i in m]
-            num_seqs = len(indices) / world_size
-            num_tokens = sum(len(rollouts[i].completion_ids) for i in indices) / world_size
-            for k, mb in enumerate(mini):
-                engine.set_gradient_accumulation_boundary(k == len(mini) - 1)
-                logp, _ = logprobs(engine.module, mb, cfg, device)
-                advantages = mb.advantages.to(device)
-                if cfg.train.tis_cap is not None:
-                    advantages = advantages * truncated_importance_weights(mb, cfg.train.tis_cap, device)
-                loss, metrics = policy_loss(
-                    logp, mb.old_logp, advantages, mb.loss_mask.to(device), cfg.loss,
-                    params.per_sequence(groups[mb.indices]), ref_logp=mb.ref_logp,
-                    num_seqs=num_seqs, num_tokens=num_tokens)
-                engine.backward(loss * mb.weight)
-                tokens = float(mb.loss_mask.sum())
-                for key, value in metrics.items():  # on the device: no host sync per micro-batch
-                    totals[key] = totals.get(key, 0.0) + value * (mb.weight if key in ADDITIVE else mb.weight * tokens)
-                totals["_weight"] = totals.get("_weight", 0.0) + mb.weight * tokens
-            engine.step()
-    return totals
+    sums: dict[str, Tensor] = field(default_factory=dict)
+    tokens: dict[str, float] = field(default_factory=dict)
 
+    def add(self, metrics: dict[str, Tensor], mb: MicroBatch) -> None:
+        """One micro-batch's loss metrics (token means over its rows; ADDITIVE ones its part of the loss)."""
+        tokens = float(mb.loss_mask.sum()) * mb.weight  # 0 for the dummy micro-batches that keep ranks in step
+        for key, value in metrics.items():
+            self._add(key, value * (mb.weight if key in ADDITIVE else tokens), None if key in ADDITIVE else tokens)
 
-def reduce_metrics(totals: dict, device, world_size: int, optimizer_steps: int) -> dict[str, float]:
-    """One all-reduce of every rank's sums, then means: loss per optimiser step, token means, and the
-    entropy per completion token."""
-    keys = sorted(totals)
-    values = torch.stack([torch.as_tensor(totals[k], dtype=torch.float32, device=device) for k in keys])
-    if world_size > 1:
-        torch_dist.all_reduce(values)
-    sums = dict(zip(keys, values.tolist()))
-    weight, tokens, entropy = sums.pop("_weight", 0.0), sums.pop("_tokens"), sums.pop("policy/entropy")
-    # Each rank's loss part is scaled by world_size (DeepSpeed averages gradients over ranks): undo it here.
-    means = {k: v / (max(optimizer_steps, 1) * world_size) if k in ADDITIVE else v / max(weight, 1e-12) for k, v in sums.items()}
-    return {**means, "policy/entropy": entropy / max(tokens, 1.0)}
+    def add_entropy(self, entropy: Tensor, mb: MicroBatch, device) -> None:
+        self._add("policy/entropy", (entropy * mb.loss_mask.to(device)).sum() * mb.weight,
+                  float(mb.loss_mask.sum()) * mb.weight)
+
+    def _add(self, key: str, value: Tensor, tokens: float | None) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+        if tokens is not None:
+            self.tokens[key] = self.tokens.get(key, 0.0) + tokens
+
+    def reduce(self, device, world_size: int, optimizer_steps: int) -> dict[str, float]:
+        """Means over all ranks: token means, and the loss per optimiser step."""
+        keys = sorted(self.sums)
+        values = torch.stack([torch.as_tensor(self.sums[k], dtype=torch.float32, device=device) for k in keys]
+                             + [torch.tensor(self.tokens.get(k, 0.0), dtype=torch.float32, device=device) for k in keys])
+        if world_size > 1:
+            torch_dist.all_reduce(values)
+        sums, tokens = values[: len(keys)].tolist(), values[len(keys):].tolist()
+        # DeepSpeed averages gradients over ranks, so each rank's loss part is scaled by world_size: undo it.
+        return {k: s / (max(optimizer_steps, 1) * world_size) if k in ADDITIVE else s / max(t, 1e-12)
+                for k, s, t in zip(keys, sums, tokens)}
