@@ -32,7 +32,7 @@ from apmpo.learner.checkpoint import (latest_checkpoint, load_checkpoint, remove
 from apmpo.learner.engine import Dist, build_engine, check_devices, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.rollouts import PromptSampler, collect_rollouts
-from apmpo.learner.setup import load_prompts, load_vision, prepare_model
+from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, truncated_importance_weights
 from apmpo.loss import AdaptiveParams, adaptive_params, policy_loss
 from apmpo.rewards import RewardPool, get_reward

@@ -22,7 +22,6 @@ from apmpo.config import Config, ConfigError
 class Dist:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
     @property
@@ -58,7 +57,7 @@ def init_distributed(timeout_s: float = 7200.0) -> Dist:
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                timeout=datetime.timedelta(seconds=timeout_s))
-    return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
+    return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device)
 
 
 def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int | None = None) -> None:
