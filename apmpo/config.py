@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from apmpo.loss import LossConfig
+from apmpo.loss import POLICY_LOSSES, LossConfig
 
 
 class ConfigError(ValueError):
@@ -251,6 +251,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is not a section")
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    loss = data.get("loss") or {}
+    entry = POLICY_LOSSES.get(loss.get("name", LossConfig.name))
+    if entry is not None and entry.needs_token_budget and loss.get("token_budget") is None:
+        # Dr. GRPO's constant: the generation budget per sequence, as TRL's max_completion_length.
+        data["loss"] = {**loss, "token_budget": (data.get("rollout") or {}).get("max_tokens", RolloutConfig.max_tokens)}
     config = _build(Config, data, prefix="", source=source)
     return config.validate(check_sources)
 

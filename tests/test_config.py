@@ -165,3 +165,9 @@ def test_tis_with_truncated_sampling_is_refused():
             load_config(None, ["train.tis_cap=2.0", override])
     assert load_config(None, ["train.tis_cap=2.0"]).train.tis_cap == 2.0
     assert load_config(None, ["rollout.top_p=0.9"]).rollout.top_p == 0.9
+
+
+def test_dr_grpo_budget_defaults_to_the_generation_budget():
+    assert load_config(None, ["loss.name=dr_grpo", "rollout.max_tokens=512"]).loss.token_budget == 512
+    assert load_config(None, ["loss.name=dr_grpo"]).loss.token_budget == 1024  # rollout.max_tokens' default
+    assert load_config(None, ["loss.name=dr_grpo", "loss.token_budget=4096"]).loss.token_budget == 4096
