@@ -1,9 +1,11 @@
 """Verifiers (math, SQL, choice), the registry and the batch scorer, on real math-verify and sqlite."""
 import hashlib
+import json
 import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import time
 
@@ -245,6 +247,12 @@ def dying_reward(completion: str, sample: dict) -> float:
     return 1.0
 
 
+def odd_value_reward(completion: str, sample: dict):
+    """Returns what the completion names: a NaN about 1 time in 20 is what made training silently stop."""
+    return {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "text": "1.0", "none": None,
+            "int": 1, "bool": True}.get(completion, 0.5)
+
+
 def test_registry():
     assert get_reward("math") is math_reward and get_reward("sql") is sql_reward and get_reward("choice") is choice_reward
     assert get_reward("apmpo.rewards.maths:math_reward") is math_reward
@@ -281,6 +289,67 @@ def test_batch_hung_and_dead_workers_are_replaced():
         assert scores == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and summary["crashes"] == summary["failures"] == 1
         # The pool still works after its workers were killed and replaced.
         assert pool.score("math", ["\\boxed{2}"], [{"answer": "2"}])[0] == [1.0]
+
+
+def test_batch_non_finite_and_non_numeric_rewards_are_failures(caplog):
+    completions = ["ok", "nan", "ok", "inf", "-inf", "text", "none", "int", "bool", "ok"]
+    scores, summary = score_batch(odd_value_reward, completions, [{}] * 10, timeout_s=10, num_workers=1)
+    assert scores == [0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5]
+    assert summary["errors"] == summary["failures"] == 5
+    assert summary["first_error"] == "ValueError: the reward returned nan, not a finite number"
+    assert len([r for r in caplog.records if "reward scoring failed" in r.getMessage()]) == 1
+
+
+def test_batch_crash_reports_the_exit_code():
+    scores, summary = score_batch(dying_reward, ["ok", "die"], [{}] * 2, timeout_s=10, num_workers=1)
+    assert scores == [1.0, 0.0] and summary["crashes"] == 1
+    assert summary["first_error"] == "worker exited with code 3"
+
+
+def test_batch_deadline_bounds_a_call():
+    completions = ["ok", "hang", "hang", "ok", "ok"]
+    with RewardPool(num_workers=2, timeout_s=60.0) as pool:
+        pool.score(sleeping_reward, ["ok"] * 2, [{}] * 2)  # the workers are up
+        start = time.monotonic()
+        scores, summary = pool.score(sleeping_reward, completions, [{}] * 5, deadline=start + 2.0)
+        assert 2.0 <= time.monotonic() - start < 5.0
+        # Two workers: "ok" is scored, both "hang"s run into the deadline, the last two never start.
+        assert scores == [1.0, 0.0, 0.0, 0.0, 0.0]
+        assert summary["timeouts"] == summary["failures"] == 4
+        assert summary["first_error"] == "item 1 ran past the call's deadline"
+
+
+def test_batch_worker_killed_while_idle_is_replaced_without_a_failure():
+    with RewardPool(num_workers=1, timeout_s=10.0) as pool:
+        pool.score(sleeping_reward, ["ok"], [{}])
+        pool._workers[0].process.kill()  # as the OOM killer would, between two calls
+        pool._workers[0].process.join()
+        scores, summary = pool.score(sleeping_reward, ["ok", "ok"], [{}] * 2)
+        assert scores == [1.0, 1.0] and summary["failures"] == 0
+
+
+def test_batch_refuses_a_reward_defined_in_main():
+    def reward(completion: str, sample: dict) -> float:
+        return 1.0
+
+    reward.__module__ = "__main__"  # as if defined in the script being run: workers cannot import it
+    with pytest.raises(ValueError, match="defined in the script being run"):
+        score_batch(reward, ["a"], [{}], num_workers=1)
+
+
+def test_reward_workers_do_not_rerun_the_callers_main():
+    """In training, the caller's __main__ is launch/train.py (torch, DeepSpeed). A forkserver child re-runs it
+    unless told not to: every replaced worker then spent seconds importing, so a crash cost most of an item's
+    timeout (4.2 s of 5 s), and every worker held torch."""
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "reward_pool_main.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["loaded"] == [0.0, 1.0]  # torch is not in the workers, the preloaded verifiers are
+    assert result["scores"] == [0.0, 1.0] * 4
+    summary = result["summary"]
+    assert summary["crashes"] == summary["failures"] == 4 and summary["first_error"] == "worker exited with code 3"
+    assert result["seconds"] < 2.0  # 4 crashes, each a fork from the preloaded server
 
 
 def test_batch_pathological_latex_times_out():
