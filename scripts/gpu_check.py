@@ -10,8 +10,8 @@ Goals are judged on the GPU only: a tiny CPU run says that the code works, not h
 Covered (nothing here needs vLLM, which the GPU box we borrow cannot carry):
 - matmul_peak: a large matmul in the learner's dtype (bf16), the peak that MFU is measured against.
 - learner_gc, learner_no_gc: Qwen2.5-1.5B's shape, randomly initialised, under DeepSpeed ZeRO-2 in bf16 with
-  micro_batch_tokens 16384, with and without gradient checkpointing: one training step's learner part as
-  launch/train.py runs it (its `train_on_batch`: old and reference log-probs, then the optimiser step). Tokens/s, MFU
+  micro_batch_tokens 16384 with gradient checkpointing, 4096 without (16384 would not fit in 80 GB): one
+  training step's learner part as launch/train.py runs it (its `train_on_batch`: old and reference log-probs, then the optimiser step). Tokens/s, MFU
   and peak memory. MFU = 6 x parameters x tokens / update time / matmul peak (the LM head is counted for every
   token, though only completion tokens go through it, and the recomputed forward of checkpointing is not
   counted); `mfu_with_attention` adds causal attention's QK^T and AV products, 6 x layers x hidden x the sum of
@@ -246,9 +246,12 @@ def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
     dist = init_distributed()
     model_dir = _random_model_dir(s)
     dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[s.dtype]
+    # Without checkpointing, 16384 tokens of 1.5B activations (~60 GB in bf16) and the ZeRO-2 states (~27 GB)
+    # exceed an 80 GB GPU: that run takes a quarter of the budget, and says so.
+    micro_batch_tokens = s.micro_batch_tokens if gradient_checkpointing else s.micro_batch_tokens // 4
     cfg = Config(model=ModelConfig(path=model_dir, dtype=dtype, gradient_checkpointing=gradient_checkpointing),
                  rollout=RolloutConfig(prompts_per_step=s.prompts, group_size=s.group_size),
-                 train=TrainConfig(mini_batch_size=s.prompts, micro_batch_tokens=s.micro_batch_tokens))
+                 train=TrainConfig(mini_batch_size=s.prompts, micro_batch_tokens=micro_batch_tokens))
     g = torch.Generator().manual_seed(0)
     rewards = (torch.rand(s.prompts, s.group_size, generator=g) > 0.5).float()
     advantages = group_advantages(rewards).flatten().tolist()
@@ -305,10 +308,12 @@ def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
         "peak_memory_gib": peak / GiB, "memory_at_start_gib": memory.base / GiB,
         "grad_norm": metrics["optim/grad_norm"], "reference_model": models == 2,
         "gradient_checkpointing": checkpointing, "peak_tflops": peak_flops_per_s / 1e12,
+        "micro_batch_tokens": micro_batch_tokens,
     }
     return Outcome(figures, f"{tokens / update:,.0f} tokens/s in the update, MFU {figures['mfu']:.1%} "
                             f"({figures['mfu_with_attention']:.1%} with attention), peak memory {peak / GiB:.1f} GiB, "
-                            f"{num_params / 1e6:,.1f}M params, {tokens} tokens per step")
+                            f"{num_params / 1e6:,.1f}M params, {tokens} tokens per step, "
+                            f"micro_batch_tokens {micro_batch_tokens}")
 
 
 def _train_module():
