@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from apmpo import seeding
 from apmpo.loss import POLICY_LOSSES, LossConfig
 
 
@@ -123,6 +124,24 @@ class CheckpointConfig:
     save_every: int = 50  # steps; 0 disables
     keep_last: int = 2  # older checkpoints are deleted
     export_hf: bool = True  # write hf/ (safetensors + tokenizer) in each checkpoint
+    # "val/<benchmark>/pass@<k>" (a key the validation logs): the policy with its highest value so far is kept in
+    # checkpoints/best/hf (with best.json: step, value), beside the last checkpoints and never pruned. None: off.
+    keep_best: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    """Validation during training: every `every` steps and after the last, the current weights are evaluated through
+    the generation server as `python -m apmpo.eval --seeds <train.seed>` does with these settings (apmpo/eval)."""
+    every: int = 0  # steps between validations; 0: off
+    benchmarks: str = "math500"  # comma-separated, as `python -m apmpo.eval --benchmarks`: built-ins, NAME=PATH, hub ids
+    n: int = 4  # samples per problem
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_tokens: int = 1024  # new tokens per sample
+    limit: int | None = None  # only the first `limit` problems of each benchmark; None: all
+    k: int | None = None  # pass@k logged beside pass@1; None: k = n
+    reward: str | None = None  # None: each benchmark's own (math, sql, ...); "pkg.module:function": yours, for all
 
 
 @dataclass
@@ -135,6 +154,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     # ---------------------------------------------------------------- derived (the only place)
 
@@ -191,6 +211,11 @@ class Config:
             # are of the full softmax / temperature. Their ratio would bias every importance weight.
             raise ConfigError("train.tis_cap needs rollout.top_p: 1.0 and rollout.top_k: -1: the engine's "
                               "log-probs then come from the distribution the learner computes")
+        layout_error = seeding.check_training(t.seed, t.steps, r.max_sampling_rounds if r.dynamic_sampling else 1,
+                                              self.samples_per_step)
+        if layout_error:
+            raise ConfigError(layout_error)
+        _check_eval(self)
         if check_sources:
             _check_sources(self)
         return self
@@ -221,15 +246,54 @@ def _check_sources(cfg: Config) -> None:
             raise ConfigError(f"data.train {train!r}: no such file, and not a built-in dataset "
                               f"({', '.join(sorted(BUILTIN))}, quickstart) or a hub id (org/name)")
     _check_reward(cfg.data.reward)
+    if cfg.eval.every:
+        from apmpo.eval.run import EvalError, check_benchmark_sources  # noqa: PLC0415
+
+        try:
+            check_benchmark_sources(cfg.eval.benchmarks)
+        except EvalError as error:
+            raise ConfigError(f"eval.benchmarks: {error}") from None
+        if cfg.eval.reward is not None:
+            _check_reward(cfg.eval.reward, "eval.reward")
 
 
-def _check_reward(reward: str) -> None:
+def _check_eval(cfg: Config) -> None:
+    e, keep_best = cfg.eval, cfg.checkpoint.keep_best
+    if e.every < 0:
+        raise ConfigError(f"eval.every must be >= 0 (0: off), got {e.every}")
+    if e.every == 0:
+        if keep_best is not None:
+            raise ConfigError("checkpoint.keep_best needs validation: set eval.every > 0")
+        return
+    checks = [(bool(e.benchmarks.strip()), "eval.benchmarks is empty"), (e.n >= 1, f"eval.n must be >= 1, got {e.n}"),
+              (e.k is None or 1 <= e.k <= e.n, f"eval.k must lie in [1, eval.n={e.n}], got {e.k}"),
+              (0.0 <= e.temperature < math.inf, f"eval.temperature must be >= 0, got {e.temperature}"),
+              (0.0 < e.top_p <= 1.0, f"eval.top_p must lie in (0, 1], got {e.top_p}"),
+              (e.limit is None or e.limit >= 1, f"eval.limit must be >= 1, got {e.limit}"),
+              (0 < e.max_tokens < cfg.rollout.max_model_len,
+               f"eval.max_tokens must lie in [1, rollout.max_model_len={cfg.rollout.max_model_len}), got {e.max_tokens}")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    from apmpo.eval.run import EvalError, benchmark_names  # noqa: PLC0415  (light: apmpo.data, no torch)
+
+    try:
+        names = benchmark_names(e.benchmarks)
+    except EvalError as error:
+        raise ConfigError(f"eval.benchmarks: {error}") from None
+    if keep_best is not None:
+        keys = [f"val/{name}/pass@{k}" for name in names for k in dict.fromkeys([1, e.k or e.n])]
+        if keep_best not in keys:
+            raise ConfigError(f"checkpoint.keep_best {keep_best!r} is not a logged validation score; one of {keys}")
+
+
+def _check_reward(reward: str, key: str = "data.reward") -> None:
     from apmpo.rewards import get_reward  # noqa: PLC0415
 
     try:
         get_reward(reward)
     except Exception as exc:  # noqa: BLE001  (any import failure of the user's module is a config error)
-        raise ConfigError(f"data.reward {reward!r}: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"{key} {reward!r}: {type(exc).__name__}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- loading

@@ -15,13 +15,15 @@ What a user should see with configs/quickstart.yaml (16 prompts x 8 samples a st
 ~0.16 to ~0.3 after about ten steps (it answers with digits), past 0.8 within about 30-45 steps (it copies a digit
 of the prompt), and settles at 0.9-1.0; the same with loss.name apmpo, grpo, dapo or gmpo.
 
-    from apmpo.quickstart import build_tokenizer, make_samples, reward, save_quickstart_model
+    from apmpo.quickstart import build_tokenizer, make_samples, make_val_samples, reward, save_quickstart_model
     save_quickstart_model("/tmp/quickstart-model")  # or in memory: apmpo.tiny.build_model(build_tokenizer())
-    samples = make_samples(512, seed=0)  # [{"task": "quickstart", "messages": [{"role": "user", "content": "690"}], "answer": "690"}, ...]
+    samples = make_samples(512, seed=0)  # [{"task": "quickstart", "messages": [{"role": "user", "content": "690"}], "answer": "690", ...}, ...]
+    val = make_val_samples()  # 90 held-out prompts, never in training (python -m apmpo.eval --benchmarks quickstart_val)
     reward("9", samples[0]), reward("5", samples[0])  # 1.0, 0.0
 """
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -66,12 +68,32 @@ def save_quickstart_model(out_dir: str | Path, **kwargs) -> Path:
     return tiny.save_tiny_model(out_dir, tokenizer=build_tokenizer(), **kwargs)
 
 
+# Held out for validation: every 8th of the 120 sets of three digits (15 sets, 90 prompts with their orders).
+# Training never shows a prompt made of one of these sets, in any order, so a validation score is on unseen
+# prompts (the 720 possible prompts are too few to hold out by seed: 4096 training draws cover them all).
+VAL_DIGIT_SETS = frozenset(frozenset(c) for c in list(itertools.combinations(DIGITS, NUM_DIGITS))[7::8])
+
+
+def _record(digits: str, index: int, split: str) -> dict:
+    return {"id": f"quickstart_{split}/{index}", "task": "quickstart", "question": digits,
+            "messages": [{"role": "user", "content": digits}], "answer": digits}
+
+
 def make_samples(n: int, seed: int = 0) -> list[dict]:
-    """`n` task records, the same for the same seed: chat messages to render with the chat template
-    (add_generation_prompt=True) and the answer, the string of digits that are each a correct reply."""
+    """`n` training records, the same for the same seed: chat messages to render with the chat template
+    (add_generation_prompt=True) and the answer, the string of digits that are each a correct reply. Prompts whose
+    digits form a VAL_DIGIT_SETS set are drawn again: they belong to `make_val_samples`."""
     rng = random.Random(seed)
     samples = []
-    for _ in range(n):
+    while len(samples) < n:
         digits = "".join(rng.sample(DIGITS, NUM_DIGITS))
-        samples.append({"task": "quickstart", "messages": [{"role": "user", "content": digits}], "answer": digits})
+        if frozenset(digits) not in VAL_DIGIT_SETS:
+            samples.append(_record(digits, len(samples), "train"))
     return samples
+
+
+def make_val_samples() -> list[dict]:
+    """The held-out validation records (the built-in benchmark `quickstart_val` of `python -m apmpo.eval`): the 90
+    prompts made of a VAL_DIGIT_SETS set, each once, in a fixed order."""
+    prompts = sorted("".join(p) for s in VAL_DIGIT_SETS for p in itertools.permutations(sorted(s)))
+    return [_record(digits, i, "val") for i, digits in enumerate(prompts)]

@@ -25,8 +25,9 @@ from apmpo.eval import pass_at_k
 from apmpo.eval.__main__ import main
 from apmpo.eval.diversity import JUDGE_PROMPT, Judge, average_cosine_similarity, judge_groups, parse_score, self_bleu
 from apmpo.eval.metrics import average, summarize_benchmark
-from apmpo.eval.run import SEED_STRIDE, contiguous_chunks
+from apmpo.eval.run import contiguous_chunks
 from apmpo.rollout.client import Sample
+from apmpo.seeding import EVAL_DOMAIN, EVAL_SAMPLE_BITS, eval_request_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +90,7 @@ def test_requests_hold_contiguous_runs_of_problems():
 
 def is_correct(seed: int, index: int, n: int, j: int) -> bool:
     """FakeGenerationServer answers correctly when its engine seed is divisible by 3."""
-    return (seed * SEED_STRIDE + index * n + j) % 3 == 0
+    return (eval_request_seed(seed, index, n, 1) + j) % 3 == 0
 
 
 class FakeGenerationServer:
@@ -183,7 +184,7 @@ def test_eval_results_match_samples_and_resume_generates_only_the_missing(tiny_t
     (out / "samples.jsonl").write_text(text + '{"benchmark": "math500", "ind')
     assert main(argv + ["--batch-prompts", "1"]) == 0
     new = fake_server.requests[first_requests:]
-    assert sorted((r["prompts"], r["seed"] // SEED_STRIDE) for r in new) == [(1, 0), (1, 1)]
+    assert sorted((r["prompts"], (r["seed"] - EVAL_DOMAIN) >> EVAL_SAMPLE_BITS) for r in new) == [(1, 0), (1, 1)]
     resumed = read_samples(out)
     assert sorted(map(json.dumps, resumed)) == sorted(map(json.dumps, samples))  # the same draws, nothing twice
     assert json.loads((out / "results.json").read_text())["benchmarks"] == results["benchmarks"]

@@ -199,6 +199,20 @@ def encode_prompt(record: dict, tokenizer: Any) -> list[int]:
     return list(tokenizer(render_prompt(record, tokenizer), add_special_tokens=not has_template)["input_ids"])
 
 
+def stop_token_ids(model_path: str, tokenizer: Any) -> tuple[int, ...]:
+    """Where sampling stops, for training and evaluation alike: the tokenizer's EOS and every `eos_token_id` of the
+    model's generation_config.json (Qwen2.5's instruct models end turns with <|im_end|> and <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    from transformers import GenerationConfig  # noqa: PLC0415  (light; keeps `import apmpo.data` fast)
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):
+        eos = None  # no generation_config.json: the tokenizer's EOS only
+    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))
+
+
 # --- loading -------------------------------------------------------------------------------------
 
 def _read_rows(source: str, split: str) -> list[dict]:
@@ -295,5 +309,5 @@ def db_ids(source: str) -> list[str]:
 
 __all__ = [
     "BUILTIN", "FIELD_MAPS", "SYSTEM_PROMPTS", "PLAIN_FORMAT", "build_messages", "db_ids", "detect_fields",
-    "encode_prompt", "load_records", "read_schema", "render_prompt",
+    "encode_prompt", "load_records", "read_schema", "render_prompt", "stop_token_ids",
 ]

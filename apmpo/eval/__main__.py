@@ -6,6 +6,7 @@ them with the training rewards (apmpo.rewards), report Pass@1 and Pass@k as mean
     python -m apmpo.eval --model M --benchmarks spider --out DIR                       # Spider-dev, execution accuracy
     python -m apmpo.eval --model M --benchmarks bird_dev=dev.json --task sql --db-root dev_databases --out DIR
     python -m apmpo.eval --model M --benchmarks math500 --n 8 --seeds 0 --diversity --out DIR
+    python -m apmpo.eval --model M --benchmarks data/x.jsonl --reward my_pkg.rewards:score --out DIR     # your reward
 
 Writes DIR/samples.jsonl (one line per sample), DIR/results.json and DIR/results.md (the paper's Table 1
 layout; python -m apmpo.eval.table puts several DIRs in one table). A rerun with the same DIR generates only
@@ -23,10 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-from apmpo.data import FIELD_MAPS, encode_prompt
+from apmpo import seeding
+from apmpo.data import FIELD_MAPS, stop_token_ids
 from apmpo.eval.metrics import average, summarize_benchmark
-from apmpo.eval.run import (SEED_STRIDE, Benchmark, EvalError, SampleStore, Sampling, check_settings,
-                            generate_benchmark, missing_problems, resolve_benchmarks)
+from apmpo.eval.run import (BATCH_PROMPTS, Benchmark, EvalError, SampleStore, Sampling, check_settings,
+                            encode_benchmark, generate_benchmark, missing_problems, resolve_benchmarks)
 from apmpo.eval.table import render
 from apmpo.rollout.client import ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerStartError
@@ -51,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--k", default=None, help="Pass@k values (default: 1, and 16 when n >= 16)")
     g.add_argument("--limit", type=int, default=None, help="only the first K problems of each benchmark")
     g.add_argument("--system-prompt", default=None, help="replace the task's system prompt (apmpo.data)")
-    g.add_argument("--batch-prompts", type=int, default=128, help="problems per generation request")
+    g.add_argument("--batch-prompts", type=int, default=BATCH_PROMPTS, help="problems per generation request")
     d = p.add_argument_group("local files and SQL")
     d.add_argument("--task", choices=["math", "sql", "choice"], help="task (reward, prompt) of local files / hub ids")
     d.add_argument("--fields", choices=sorted(FIELD_MAPS), help="field mapping of local files (default: detected)")
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--dtype", default="auto")
     r = p.add_argument_group("scoring")
+    r.add_argument("--reward", default=None, help="score every benchmark with this reward instead of its task's: a "
+                   "registry name (math, sql, choice, quickstart) or pkg.module:function, as data.reward in training")
     r.add_argument("--reward-workers", type=int, default=min(os.cpu_count() or 1, 8))
     r.add_argument("--reward-timeout-s", type=float, default=10.0, help="per item; a timeout scores 0, as in training")
     v = p.add_argument_group("diversity (the paper's appendix)")
@@ -116,16 +120,14 @@ def default_label(model: str) -> str:
     return "/".join(parts[-2:]) if "checkpoints" in Path(model).parts else (parts[-1] if parts else model)
 
 
-def stop_token_ids(model: str, tokenizer) -> tuple[int, ...]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        from transformers import GenerationConfig  # noqa: PLC0415
+def check_reward(name: str) -> None:
+    """The reward resolves here as training resolves data.reward (apmpo.rewards.get_reward), before any server."""
+    from apmpo.rewards import get_reward  # noqa: PLC0415
 
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except (OSError, ValueError):
-        pass  # no generation_config.json: the tokenizer's EOS only
-    return tuple(sorted(ids))
+    try:
+        get_reward(name)
+    except Exception as error:  # noqa: BLE001  (any import failure of the user's module is a bad --reward)
+        raise EvalError(f"--reward {name!r}: {type(error).__name__}: {error}") from None
 
 
 def log(message: str) -> None:
@@ -135,12 +137,15 @@ def log(message: str) -> None:
 def evaluate(args: argparse.Namespace) -> dict:
     start = time.monotonic()
     model = resolve_model(args.model)
+    if args.reward is not None:
+        check_reward(args.reward)
     benchmarks = resolve_benchmarks(args.benchmarks, limit=args.limit, task=args.task, fields=args.fields,
-                                    db_root=args.db_root, split=args.split, system_prompt=args.system_prompt)
+                                    db_root=args.db_root, split=args.split, system_prompt=args.system_prompt,
+                                    reward=args.reward)
     args.out.mkdir(parents=True, exist_ok=True)
     check_settings(args.out, {"model": model, "temperature": args.temperature, "top_p": args.top_p,
                               "top_k": args.top_k, "max_tokens": args.max_tokens, "system_prompt": args.system_prompt,
-                              "seed_stride": SEED_STRIDE})
+                              "seeding": seeding.EVAL_SCHEME, "reward": args.reward})
     store = SampleStore(args.out / "samples.jsonl")
 
     # ------------------------------------------------------------------ what to generate: (benchmark, seed, n)
@@ -216,7 +221,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
             pending = sum(len(missing_problems(store, benchmark.name, len(benchmark.records), s, n)) for s, n in own)
             if not pending:
                 continue
-            prompt_ids = _encode(benchmark, tokenizer, info["max_model_len"])
+            prompt_ids = encode_benchmark(benchmark, tokenizer, info["max_model_len"])
             total = len(benchmark.records) * len(own)
             with tqdm(total=total, initial=total - pending, desc=benchmark.name, unit="prompt",
                       dynamic_ncols=True) as bar:
@@ -231,16 +236,6 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
         log(f"generated and scored {generated} samples in {time.monotonic() - tick:.0f} s")
         return {"url": args.server, "model": info["model"], "weight_version": info["weight_version"],
                 "stop_token_ids": list(sampling.stop_token_ids)}
-
-
-def _encode(benchmark: Benchmark, tokenizer, max_model_len: int) -> list[list[int]]:
-    ids = [encode_prompt(record, tokenizer) for record in benchmark.records]
-    too_long = [i for i, prompt in enumerate(ids) if len(prompt) >= max_model_len]
-    if too_long:
-        raise EvalError(f"benchmark {benchmark.name}: {len(too_long)} prompt(s) have >= max_model_len="
-                        f"{max_model_len} tokens (first: problem {too_long[0]}, {len(ids[too_long[0]])} tokens); "
-                        "raise --max-model-len or use --limit")
-    return ids
 
 
 def run_diversity(args: argparse.Namespace, benchmark: Benchmark, store: SampleStore) -> dict:

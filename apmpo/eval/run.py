@@ -5,10 +5,12 @@ never generated again, so an interrupted or extended evaluation (more seeds, a l
 benchmark) continues where it stopped. Lines are appended per request and flushed; a line cut short by a kill
 is dropped on the next start.
 
-Seeding: sample j of problem i under eval seed s is drawn with the engine seed s * SEED_STRIDE + i * n + j, so a
-sample does not depend on which other problems share its request, and no two (seed, problem, sample) share a
-stream. Requests hold contiguous runs of problems because the server seeds prompt p of a request with
-`seed + p * n`.
+Seeding (apmpo.seeding): sample j of problem i under eval seed s is drawn with the engine seed
+2**62 + s * 2**32 + i * n + j, so a sample does not depend on which other problems share its request, no two
+(seed, problem, sample) share a stream, and none meets a training seed. Requests hold contiguous runs of problems
+because the server seeds prompt p of a request with `seed + p * n`.
+
+Validation during training (`validate`) runs these same functions on the weights the server holds.
 """
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from apmpo.data import BUILTIN, build_messages, load_records
+from apmpo import seeding
+from apmpo.data import BUILTIN, build_messages, encode_prompt, load_records
 
-SEED_STRIDE = 10**9
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+QUICKSTART_VAL = "quickstart_val"  # the CPU quickstart's held-out prompts (apmpo.quickstart.make_val_samples)
+KNOWN = [*BUILTIN, QUICKSTART_VAL]
+BATCH_PROMPTS = 128  # problems per generation request
 # The settings that decide what a sample is; a rerun into the same --out must not change them.
-GENERATION_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "system_prompt", "seed_stride")
+GENERATION_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "system_prompt", "seeding", "reward")
 
 
 class EvalError(Exception):
@@ -38,44 +43,71 @@ class Benchmark:
     reward: str  # a registry name of apmpo.rewards: "math" | "sql" | "choice"
 
 
-def resolve_benchmarks(spec: str, *, limit: int | None = None, task: str | None = None, fields: str | None = None,
-                       db_root: str | None = None, split: str = "test",
-                       system_prompt: str | None = None) -> list[Benchmark]:
-    """`spec` is comma-separated: built-in names, local files (`NAME=PATH` names them) or hub ids (owner/name).
-
-    `task` (math | sql | choice) applies to local files and hub ids: their reward and system prompt."""
-    benchmarks = []
+def _items(spec: str) -> list[tuple[str, str]]:
+    """(name, source) of each comma-separated item; an unnamed local file is named by its stem."""
+    items = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, source = item.partition("=") if "=" in item else ("", "", item)
-        is_builtin = source in BUILTIN
-        if not is_builtin:
-            if source.lower().endswith(FILE_SUFFIXES) and not Path(source).is_file():
-                raise EvalError(f"benchmark file not found: {source}")
-            if not Path(source).is_file() and "/" not in source:
-                close = difflib.get_close_matches(source, BUILTIN, n=3, cutoff=0.5)
-                hint = f"did you mean {' or '.join(close)}? " if close else ""
-                raise EvalError(f"unknown benchmark {source!r}; {hint}built-in: {', '.join(BUILTIN)}; "
-                                "or a local .jsonl/.json/.parquet file, or a hub id (owner/name)")
-        name = name or (source if is_builtin or not Path(source).is_file() else Path(source).stem)
-        own_db = is_builtin and BUILTIN[source].db_root is not None  # built-in Spider ships its databases
-        try:
-            records = load_records(source, split=split, fields=None if is_builtin else fields,
-                                   db_root=None if own_db else db_root, system_prompt=system_prompt, limit=limit)
-        except (ValueError, KeyError, FileNotFoundError, ImportError) as error:
-            message = str(error).replace("pass db_root", "pass --db-root")
-            raise EvalError(f"benchmark {name}: {message}") from None
+        items.append((name or (Path(source).stem if source.lower().endswith(FILE_SUFFIXES) else source), source))
+    return items
+
+
+def benchmark_names(spec: str) -> list[str]:
+    """The names a `--benchmarks` / `eval.benchmarks` spec gives its benchmarks (the keys of results and metrics)."""
+    names = [name for name, _ in _items(spec)]
+    if not names:
+        raise EvalError("no benchmarks given")
+    if len(set(names)) != len(names):
+        raise EvalError("a benchmark is named twice; name local files with NAME=PATH")
+    return names
+
+
+def check_benchmark_sources(spec: str) -> None:
+    """Every source of `spec` is a built-in name, an existing file or a hub id (owner/name)."""
+    for _, source in _items(spec):
+        if source in KNOWN:
+            continue
+        if source.lower().endswith(FILE_SUFFIXES) and not Path(source).is_file():
+            raise EvalError(f"benchmark file not found: {source}")
+        if not Path(source).is_file() and "/" not in source:
+            close = difflib.get_close_matches(source, KNOWN, n=3, cutoff=0.5)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise EvalError(f"unknown benchmark {source!r}; {hint}built-in: {', '.join(KNOWN)}; "
+                            "or a local .jsonl/.json/.parquet file, or a hub id (owner/name)")
+
+
+def resolve_benchmarks(spec: str, *, limit: int | None = None, task: str | None = None, fields: str | None = None,
+                       db_root: str | None = None, split: str = "test", system_prompt: str | None = None,
+                       reward: str | None = None) -> list[Benchmark]:
+    """`spec` is comma-separated: built-in names, local files (`NAME=PATH` names them) or hub ids (owner/name).
+
+    `task` (math | sql | choice) applies to local files and hub ids: their reward and system prompt. `reward` (a
+    registry name or "pkg.module:function") scores every benchmark instead of its task's reward."""
+    check_benchmark_sources(spec)
+    benchmark_names(spec)  # no name twice
+    benchmarks = []
+    for name, source in _items(spec):
+        is_builtin = source in KNOWN
+        if source == QUICKSTART_VAL:
+            from apmpo.quickstart import make_val_samples  # noqa: PLC0415  (tokenizers, transformers)
+
+            records = make_val_samples()[:limit]
+        else:
+            own_db = is_builtin and BUILTIN[source].db_root is not None  # built-in Spider ships its databases
+            try:
+                records = load_records(source, split=split, fields=None if is_builtin else fields,
+                                       db_root=None if own_db else db_root, system_prompt=system_prompt, limit=limit)
+            except (ValueError, KeyError, FileNotFoundError, ImportError) as error:
+                message = str(error).replace("pass db_root", "pass --db-root")
+                raise EvalError(f"benchmark {name}: {message}") from None
         if not records:
             raise EvalError(f"benchmark {name}: no records with a gold answer in {source}")
         if task is not None and not is_builtin:
             records = [_with_task(record, task, system_prompt, name) for record in records]
         rewards = {record["task"] for record in records}
-        if len(rewards) != 1:
+        if len(rewards) != 1 and reward is None:
             raise EvalError(f"benchmark {name}: records of several tasks {sorted(rewards)}; pass --task")
-        benchmarks.append(Benchmark(name, records, rewards.pop()))
-    if not benchmarks:
-        raise EvalError("no benchmarks given")
-    if len({b.name for b in benchmarks}) != len(benchmarks):
-        raise EvalError("a benchmark is named twice; name local files with NAME=PATH")
+        benchmarks.append(Benchmark(name, records, reward or rewards.pop()))
     return benchmarks
 
 
@@ -87,6 +119,17 @@ def _with_task(record: dict, task: str, system_prompt: str | None, name: str) ->
         raise EvalError(f"benchmark {name}: --task {task} needs the field {error} in every record "
                         "(for SQL, a db_id and --db-root)") from None
     return record
+
+
+def encode_benchmark(benchmark: Benchmark, tokenizer, max_model_len: int) -> list[list[int]]:
+    """Prompt ids of every problem (apmpo.data.encode_prompt, as training encodes); EvalError if one cannot fit."""
+    ids = [encode_prompt(record, tokenizer) for record in benchmark.records]
+    too_long = [i for i, prompt in enumerate(ids) if len(prompt) >= max_model_len]
+    if too_long:
+        raise EvalError(f"benchmark {benchmark.name}: {len(too_long)} prompt(s) have >= max_model_len="
+                        f"{max_model_len} tokens (first: problem {too_long[0]}, {len(ids[too_long[0]])} tokens); "
+                        "raise --max-model-len (rollout.max_model_len) or use --limit")
+    return ids
 
 
 # --- the sample file -----------------------------------------------------------------------------------------
@@ -200,7 +243,8 @@ def generate_benchmark(client, benchmark: Benchmark, prompt_ids: list[list[int]]
     for chunk in contiguous_chunks(todo, batch_prompts):
         outputs = client.generate([prompt_ids[i] for i in chunk], n=n, temperature=sampling.temperature,
                                   top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
-                                  seed=seed * SEED_STRIDE + chunk[0] * n, stop_token_ids=list(sampling.stop_token_ids))
+                                  seed=seeding.eval_request_seed(seed, chunk[0], n, len(chunk)),
+                                  stop_token_ids=list(sampling.stop_token_ids))
         todo_samples = [(i, j, out) for i, outs in zip(chunk, outputs) for j, out in enumerate(outs)
                         if (benchmark.name, i, seed, j) not in store]
         scores, summary = score(benchmark.reward, [out.text for _, _, out in todo_samples],

@@ -80,12 +80,45 @@ def load_checkpoint(engine, path: Path, rank: int) -> dict:
 def start_fresh(run_dir: Path) -> None:
     """train.resume: never on a run directory that has checkpoints: they belong to an older run, remove them
     (a later resume would otherwise pick them up)."""
-    old = [p for p in checkpoint_dir(run_dir).glob("step_*")]
+    old = [*checkpoint_dir(run_dir).glob("step_*"), *checkpoint_dir(run_dir).glob("best*")]
     if old:
         print(f"[apmpo] train.resume=never: removing {len(old)} checkpoint(s) of an earlier run in "
               f"{checkpoint_dir(run_dir)}", flush=True)
         for path in old:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def best_record(run_dir: Path) -> dict | None:
+    """checkpoints/best/best.json ({"key", "value", "step"}) of the best validated policy so far, or None."""
+    for name in ("best", "best.old"):  # best.old: a kill between the two renames of save_best
+        path = checkpoint_dir(run_dir) / name / "best.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
+
+
+def save_best(model, tokenizer, run_dir: Path, step: int, key: str, value: float) -> bool:
+    """checkpoint.keep_best, on rank 0 after a validation: when `value` (of the validation metric `key`) beats the
+    best so far, writes the policy to checkpoints/best/hf (safetensors + tokenizer, as step_<k>/hf: loadable by
+    from_pretrained, the server and `python -m apmpo.eval --model runs/<name>/checkpoints/best`) with best.json.
+    ZeRO-2 keeps full weights on every rank, so no collective is needed. Pruning never touches best/. Returns
+    whether it was written."""
+    best = best_record(run_dir)
+    if best is not None and best["key"] == key and not value > best["value"]:
+        return False
+    root = checkpoint_dir(run_dir)
+    tmp, final, old = root / "best.tmp", root / "best", root / "best.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "hf", safe_serialization=True)
+    tokenizer.save_pretrained(tmp / "hf")
+    (tmp / "best.json").write_text(json.dumps({"key": key, "value": value, "step": step}, indent=1))
+    _fsync_tree(tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return True
 
 
 def remove_incomplete(run_dir: Path) -> None:

