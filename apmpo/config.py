@@ -76,6 +76,7 @@ class RolloutConfig:
     mask_truncated: bool = False  # DAPO: truncated completions get no loss
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
+    reward_step_timeout_s: float = 1800.0  # a step's total scoring time: items unscored by then score 0, as timeouts
 
 
 @dataclass

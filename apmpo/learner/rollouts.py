@@ -17,9 +17,13 @@ from apmpo.data.vision import VisionInputs
 from apmpo.learner.batching import Rollout
 from apmpo.loss import LossConfig, advantages_for
 
-# completions, samples -> (rewards, summary): apmpo.rewards.RewardPool.score with the reward bound; crashes and
-# time-outs are scored 0 and counted in the summary ("errors", "timeouts", "crashes", their total "failures").
-ScoreFn = Callable[[list[str], list[dict]], "tuple[list[float], dict]"]
+# completions, samples, deadline= -> (rewards, summary): apmpo.rewards.RewardPool.score with the reward bound;
+# crashes and time-outs are scored 0 and counted in the summary ("errors", "timeouts", "crashes", their total
+# "failures", and the "first_error").
+ScoreFn = Callable[..., "tuple[list[float], dict]"]
+# More failed rewards than this in a step is a broken reward function, not hard completions: stop, rather than
+# train on zeros.
+MAX_FAILED_FRAC = 0.5
 
 
 class PromptSampler:
@@ -68,13 +72,14 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
                      score: ScoreFn, cfg: RolloutConfig, seed: int, loss: LossConfig, times: dict,
                      vision: VisionInputs | None = None) -> StepRollouts:
     """Generates and scores until the batch is full; adds the seconds spent to times["generate"|"reward"].
-    With `vision`, prompts' images go to the engine, and each rollout carries its prompt with expanded image
-    pads and its images' model inputs (Rollout.mm)."""
+    Scoring takes at most `cfg.reward_step_timeout_s` over all rounds; raises RuntimeError when more than
+    MAX_FAILED_FRAC of the step's rewards failed. With `vision`, prompts' images go to the engine, and each
+    rollout carries its prompt with expanded image pads and its images' model inputs (Rollout.mm)."""
     B, G = cfg.prompts_per_step, cfg.group_size
     times.setdefault("generate", 0.0)
     times.setdefault("reward", 0.0)
     kept: list[list[Rollout]] = []
-    raw_rewards, lengths, truncated, rounds, failures = [], [], 0, 0, 0
+    raw_rewards, lengths, truncated, rounds, failures, first_error, reward_s = [], [], 0, 0, 0, None, 0.0
     last_round: list[list[Rollout]] = []
     while len(kept) < B and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         chosen = sampler.take(B)
@@ -86,10 +91,18 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
         times["generate"] += time.perf_counter() - tick
         tick = time.perf_counter()
-        rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat])
-        failures += summary["failures"]
+        rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat],
+                                 deadline=time.monotonic() + cfg.reward_step_timeout_s - reward_s)
+        reward_s += time.perf_counter() - tick
         times["reward"] += time.perf_counter() - tick
         raw_rewards += rewards
+        failures += summary["failures"]
+        first_error = first_error or summary["first_error"]
+        if failures > MAX_FAILED_FRAC * len(raw_rewards):
+            raise RuntimeError(
+                f"reward scoring failed for {failures} of {len(raw_rewards)} completions this step (errors, "
+                f"crashes, time-outs past rollout.reward_timeout_s or rollout.reward_step_timeout_s); the first: "
+                f"{first_error}. The reward function looks broken: stopping rather than training on zeros")
         last_round = []
         for g, i in enumerate(chosen):
             group = []
