@@ -4,7 +4,9 @@
 
 Panels, against the training step: (a) training reward, (b) policy entropy, (c) cumulative wall-clock time of
 the steps (the sum of `time/step`: start-up and checkpoint writes excluded), (d) APMPO's power p, (e) its
-adaptive upper clip eps_ada, (f) the feedback stability score FSS = mu_R / (sigma_R + delta). Thin lines are the
+adaptive upper clip eps_ada, (f) the feedback stability score FSS = mu_R / (sigma_R + delta), and, for runs that
+validate (`eval:` config), one more panel per benchmark with its `val/<benchmark>/pass@1` at each validation
+(points joined, not smoothed). Thin lines are the
 raw per-step values, thick ones their exponential moving average (`--smooth`, debiased as TensorBoard's; 0 turns
 it off). A RUN_DIR holds metrics.jsonl (runs/<name>/, as launch/train.py writes it); the metrics.jsonl file
 itself may be passed. Legend labels: `--labels`, else the run directories' names, made distinct with the loss
@@ -70,6 +72,14 @@ def smoothed(values: list[float], weight: float, log_like: bool = False) -> list
     return [math.sinh(v) for v in ema([math.asinh(v) for v in values], weight)]
 
 
+def validation_panels(data: list[dict[int, dict]]) -> list[tuple[str, str, str]]:
+    """A panel per validated benchmark, in the order first logged: (key, title, y label)."""
+    keys = dict.fromkeys(k for metrics in data for row in metrics.values() for k in row
+                         if k.startswith("val/") and k.endswith("/pass@1"))
+    letters = "ghijklmnopqrstuvwxyz"
+    return [(key, f"({letters[i % len(letters)]}) Validation: {key[4:-7]}", "pass@1") for i, key in enumerate(keys)]
+
+
 def run_labels(runs: list[Path]) -> list[str]:
     dirs = [run.parent if run.is_file() else run for run in runs]
     labels = [d.resolve().name for d in dirs]
@@ -109,8 +119,12 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
     total_time = max((sum(series(m, "time/step")[1]) for m in data), default=0.0)
     scale, unit = time_scale(total_time)
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.4), constrained_layout=True)
-    for ax, (key, panel_title, ylabel) in zip(axes.flat, PANELS):
+    panels = PANELS + validation_panels(data)
+    rows = -(-len(panels) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 4.2 * rows), constrained_layout=True)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (key, panel_title, ylabel) in zip(axes.flat, panels):
         drawn = False
         for i, metrics in enumerate(data):
             steps, values = series(metrics, key)
@@ -124,6 +138,8 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
                     cumulative.append(total / scale)
                 ax.plot(steps, cumulative, color=color, linewidth=2.2)
                 ylabel = f"cumulative time ({unit})"
+            elif key.startswith("val/"):  # a few points, one per validation
+                ax.plot(steps, values, color=color, linewidth=2.2, marker="o", markersize=4)
             else:
                 ax.plot(steps, values, color=color, linewidth=0.8, alpha=0.35)
                 ax.plot(steps, smoothed(values, smooth, log_like=key == "apmpo/fss"), color=color, linewidth=2.2)

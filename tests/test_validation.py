@@ -192,3 +192,31 @@ def test_validation_on_a_real_server_equals_the_eval_cli_on_the_same_weights(tmp
     assert 0 < cli["pass@1"]["mean"] < 1  # a random model answers a digit of the prompt sometimes, not always
     ours = (tmp_path / "quickstart" / "eval" / "step_2" / "samples.jsonl").read_text().splitlines()
     assert ours == (tmp_path / "cli" / "samples.jsonl").read_text().splitlines()  # sample by sample
+
+
+# --- python -m apmpo.plot draws the validation curves -----------------------------------------------------------
+
+
+def test_plot_adds_a_validation_panel_per_benchmark(tmp_path):
+    import struct
+
+    from apmpo.plot import main as plot_main
+    from apmpo.plot import read_metrics, validation_panels
+
+    run = tmp_path / "quickstart"
+    run.mkdir()
+    rows = [{"step": s, "reward/mean": s / 20, "time/step": 0.3} for s in range(1, 21)]
+    for row in rows[9::10]:  # validations at steps 10 and 20, as eval.every: 10 logs them
+        row |= {"val/quickstart_val/pass@1": row["step"] / 40, "val/math500/pass@1": 0.1, "time/eval": 0.5}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [p[:2] for p in validation_panels([read_metrics(run)])] == [
+        ("val/quickstart_val/pass@1", "(g) Validation: quickstart_val"), ("val/math500/pass@1", "(h) Validation: math500")]
+    heights = []
+    for name, path in (("with", run), ("without", tmp_path / "plain")):
+        if name == "without":
+            path.mkdir()
+            (path / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "val/" not in k})
+                                                        + "\n" for r in rows))
+        assert plot_main([str(path), "--out", str(tmp_path / f"{name}.png")]) == 0
+        heights.append(struct.unpack(">II", (tmp_path / f"{name}.png").read_bytes()[16:24])[1])
+    assert heights[0] > 1.4 * heights[1]  # a third row of panels (8.4 in -> 12.6 in high)
