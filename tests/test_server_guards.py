@@ -1,0 +1,109 @@
+"""The generation server's guards that need no engine (issue 17): request ranges, tokens, stopping a server's
+process group whose leader is already gone."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from fastapi import HTTPException
+from pydantic import ValidationError
+
+from apmpo.rollout.client import GenerationClient
+from apmpo.rollout.launcher import ServerProcess, start_server
+from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
+
+BASE = dict(prompts=[[1, 2, 3], [4, 5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
+
+
+# --- request ranges (422: FastAPI answers a ValidationError of the request model with 422) ---
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(seed=2**64 - 1),  # the wedging request: prompt 0's second sample would use seed 2**64
+    dict(seed=-1),  # vLLM reads -1 as "no seed": silently unseeded
+    dict(seed=10**30),
+    dict(temperature=math.nan), dict(temperature=math.inf), dict(temperature=1e308), dict(temperature=2.5),
+    dict(temperature=0.001),  # vLLM would raise it to 0.01: the log-probs would not be of the asked temperature
+    dict(top_p=math.nan), dict(top_p=1.5), dict(top_p=0.0),
+    dict(top_k=-2), dict(top_k=2**64),
+    dict(n=0), dict(max_tokens=0),
+])
+def test_out_of_range_numbers_fail_validation(overrides):
+    with pytest.raises(ValidationError):
+        GenerateRequest(**{**BASE, **overrides})
+
+
+def test_the_largest_seed_is_the_one_whose_last_sample_fits():
+    # 2 prompts x n=2 use seeds seed .. seed + 3, which must fit vLLM's uint64
+    GenerateRequest(**{**BASE, "seed": 2**64 - 4})
+    with pytest.raises(ValidationError, match="seed"):
+        GenerateRequest(**{**BASE, "seed": 2**64 - 3})
+
+
+def test_in_range_numbers_pass():
+    for overrides in [dict(seed=0), dict(temperature=0.0), dict(temperature=0.01), dict(temperature=2.0),
+                      dict(top_p=1e-6), dict(top_k=0), dict(top_k=2**31 - 1)]:
+        GenerateRequest(**{**BASE, **overrides})
+
+
+def test_images_for_a_text_model_are_400():
+    request = GenerateRequest(**{**BASE, "images": [["aGVsbG8="], []]})
+    limits = Limits(max_prompts=4, max_n=8, max_tokens=100)
+    check_generate(request, limits, max_model_len=32, vocab_size=50, multimodal=True)
+    with pytest.raises(HTTPException) as error:
+        check_generate(request, limits, max_model_len=32, vocab_size=50, multimodal=False)
+    assert error.value.status_code == 400 and "not a vision-language model" in error.value.detail
+
+
+# --- tokens ---
+
+
+def test_empty_token_is_refused(capsys, monkeypatch):
+    for argv in (["--host", "0.0.0.0", "--token", ""], ["--host", "127.0.0.1", "--token", ""],
+                 ["--host", "0.0.0.0", "--token", "  "]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", *argv])
+        assert "--token must not be empty" in capsys.readouterr().err
+    monkeypatch.setenv("APMPO_SERVER_TOKEN", "")
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--host", "0.0.0.0"])
+    assert "APMPO_SERVER_TOKEN" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="empty"):
+        GenerationClient("http://127.0.0.1:1", token="")
+    with pytest.raises(ValueError, match="empty"):
+        start_server("no-model", log_path="unused.log", token="")
+
+
+# --- a process group outlives its leader ---
+
+
+def test_stop_kills_the_group_when_the_leader_is_already_dead(tmp_path):
+    # Stand-in for a server whose vLLM engine processes outlive it: a leader (own session, like the launcher's)
+    # with a child that ignores SIGTERM, as a busy engine might not stop on it.
+    child_pid_file = tmp_path / "child.pid"
+    script = ("import os, signal, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+              f"open({str(child_pid_file)!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(600)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (child_pid_file.exists() and child_pid_file.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(child_pid_file.read_text())
+    os.kill(process.pid, signal.SIGKILL)  # the server is killed -9; its child is reparented, still in the group
+    process.wait(timeout=10)
+    ServerProcess("http://127.0.0.1:1", None, process).stop(grace_s=1.0)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie waits for its reaper: it is gone
+    except FileNotFoundError:
+        return False

