@@ -98,7 +98,6 @@ class TrainConfig:
     epochs: int = 1  # passes over each rollout batch
     micro_batch_tokens: int = 16384  # token budget of one forward/backward per rank
     logprob_chunk_tokens: int = 1024  # positions per chunk of the fp32 log-softmax
-    tis_cap: float | None = None  # sequence-level truncated importance sampling vs the engine's log-probs (e.g. 2.0)
     # How long learner ranks wait in a collective. Ranks 1..N wait in the batch broadcast while rank 0 starts the
     # server, generates and scores: a cold start or a long rollout must not abort the job (NCCL's and DeepSpeed's
     # default is 10-30 min).
@@ -109,6 +108,20 @@ class TrainConfig:
     zero_stage: int = 2
     seed: int = 0
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path
+
+
+@dataclass
+class CorrectionConfig:
+    """Rollout correction: importance weights w = pi_old / pi_engine between the learner's old policy and the
+    engine that sampled (bf16 numerics, or a stale weight version). How w enters each loss: apmpo/loss.py."""
+    # off: no weights (the mismatch is still logged); tis: w = min(ratio, tis_cap); mis: w = 1 if the ratio lies
+    # in [mis_low, mis_high], else 0 (the token or sequence gets no policy term)
+    mode: Literal["off", "tis", "mis"] = "off"
+    # sequence: ratio exp(mean_t(log pi_old - log pi_engine)), its w multiplies the advantage; token: one w per token
+    level: Literal["token", "sequence"] = "sequence"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
 
 
 @dataclass
@@ -153,6 +166,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -207,11 +221,7 @@ class Config:
                 f"rollout.max_tokens ({r.max_tokens}) + data.max_prompt_tokens ({self.data.max_prompt_tokens}) "
                 f"> rollout.max_model_len ({r.max_model_len}): the longest prompts could not be completed; lower "
                 "one of the first two or raise the third")
-        if t.tis_cap is not None and (r.top_p < 1.0 or r.top_k > 0):
-            # The engine's log-probs are of the top-p/top-k truncated, renormalised distribution; the learner's
-            # are of the full softmax / temperature. Their ratio would bias every importance weight.
-            raise ConfigError("train.tis_cap needs rollout.top_p: 1.0 and rollout.top_k: -1: the engine's "
-                              "log-probs then come from the distribution the learner computes")
+        _check_correction(self)
         layout_error = seeding.check_training(t.seed, t.steps, r.max_sampling_rounds if r.dynamic_sampling else 1,
                                               self.samples_per_step)
         if layout_error:
@@ -256,6 +266,22 @@ def _check_sources(cfg: Config) -> None:
             raise ConfigError(f"eval.benchmarks: {error}") from None
         if cfg.eval.reward is not None:
             _check_reward(cfg.eval.reward, "eval.reward")
+
+
+def _check_correction(cfg: Config) -> None:
+    c, r = cfg.correction, cfg.rollout
+    if not c.tis_cap > 0:  # NaN too
+        raise ConfigError(f"correction.tis_cap must be > 0, got {c.tis_cap}")
+    # Identical numerics give ratio 1, which must never be masked.
+    if not 0 <= c.mis_low < 1:
+        raise ConfigError(f"correction.mis_low must lie in [0, 1), got {c.mis_low}")
+    if not 1 < c.mis_high < math.inf:
+        raise ConfigError(f"correction.mis_high must be > 1 and finite, got {c.mis_high}")
+    if c.mode != "off" and (r.top_p < 1.0 or r.top_k > 0):
+        # The engine's log-probs are of the top-p/top-k truncated, renormalised distribution; the learner's
+        # are of the full softmax / temperature. Their ratio would bias every importance weight.
+        raise ConfigError(f"correction.mode: {c.mode} needs rollout.top_p: 1.0 and rollout.top_k: -1: the engine's "
+                          "log-probs then come from the distribution the learner computes")
 
 
 def _check_eval(cfg: Config) -> None:

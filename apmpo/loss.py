@@ -17,6 +17,27 @@ The formulas are those of ../shared/SPEC.md (APMPO paper, contradictions resolve
 `POLICY_LOSSES` is the one place that knows a loss: one `PolicyLoss` entry holds its function, its rules
 for p and eps_ada, its advantage rule and its clip defaults. Adding a loss is a function and an entry.
 
+Rollout correction (decoupled PPO, as AReaL). Three policies meet in a step: the engine's, which sampled the
+tokens (behaviour, log-probs `engine_logp`); the learner's weights before this update, recomputed (the proximal
+"old" policy of the ratio r and its clip); and the one being trained. The gap between the first two (the engine's
+bf16 numerics, or a stale weight version) is corrected by importance weights w = pi_old / pi_engine, truncated
+(`tis`) or masked (`mis`) by the learner (apmpo/learner/update.py), detached, and applied here:
+
+- per sequence: the weight multiplies the sequence's advantage, the same for every loss;
+- per token (`policy_loss(token_weights=w)`): w_t multiplies token t's clipped ratio rho'_t before tokens become
+  the sequence value. GRPO, DAPO and Dr. GRPO take w_t * min(r A, clip(r) A), the decoupled-PPO token term.
+  APMPO and GMPO take the power mean of x_t = w_t rho'_t, in log space log x_t = log rho'_t + log w_t: the
+  weight corrects each token's own ratio, which is the sampled quantity, and the power mean then aggregates
+  corrected ratios as it aggregates uncorrected ones. p = 1 is then exactly the token-level decoupled form of
+  GRPO, and p = 0 the geometric one, M_0(w rho') = M_0(w) M_0(rho'): the sequence-level weight (geometric mean
+  of the token weights) times the sequence ratio. A weight applied to M_p after the mean would instead give
+  every token the same weight whatever p, and p = 1 would not reduce to the token-level form. GSPO's sequence
+  ratio is geometric too: the mean of log w_t is added to its log-ratio after the sequence clip.
+- w = 0 (masked) drops a token: in a sum (GRPO, DAPO, Dr. GRPO) its term is 0 and the sequence's 1/|o_i| stays;
+  in a power mean (APMPO, GMPO, GSPO) it leaves the mean, taken over the sequence's kept tokens, since x_t = 0
+  would make M_p zero for p <= 0 and so mask the whole sequence; a sequence with no kept token contributes 0.
+  The global normalisers (num_seqs, num_tokens, token_budget) stay those of the plan, masked or not.
+
 Everything runs in fp32 whatever the input dtype, with no Python loop over tokens or sequences, and no
 host synchronisation except where documented (`power_mean` inspects `p` on the host when it is a CPU
 tensor, which `adaptive_params` returns because rewards live on the CPU).
@@ -308,6 +329,7 @@ def _reduce(values: Tensor, normalizer: Tensor | float | None, default: Tensor |
 # --------------------------------------------------------------------------- the losses
 
 LossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
+# Every loss function: (logp, old_logp, advantages, mask, cfg, params, *, num_seqs, num_tokens, token_weights).
 
 
 def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -327,67 +349,99 @@ def _fixed_log_bounds(cfg: LossConfig) -> tuple[float, float]:
     return math.log1p(-cfg.eps_low), math.log1p(cfg.eps_high)
 
 
-def _ppo_token_sums(logp, old_logp, advantages, mask, cfg):
-    """sum_t min(r A, clip(r, 1-eps_low, 1+eps_high) A) per sequence [N], the float mask and the clip metrics:
-    the token objective of GRPO, DAPO and Dr. GRPO, which differ only in how they reduce it."""
+def _kept_tokens(maskf: Tensor, token_weights: Tensor | None) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """For a mean over tokens with rollout correction: log w_t (0 where w_t = 0 or off the mask, so it stays
+    finite), the mask of the kept tokens (w_t > 0) and, per row, whether any is kept. A row with none keeps its
+    full mask as a finite stand-in; `_drop_empty` zeroes its value (and gradient). Without weights: no change."""
+    if token_weights is None:
+        return None, maskf, None
+    w = token_weights.detach().to(maskf.dtype)
+    keep = (w > 0) & (maskf > 0)
+    kept = keep.any(-1)
+    log_w = torch.log(torch.where(keep, w, 1.0))
+    return log_w, torch.where(kept.unsqueeze(-1), keep, maskf > 0).to(maskf.dtype), kept
+
+
+def _drop_empty(per_seq: Tensor, kept: Tensor | None) -> Tensor:
+    return per_seq if kept is None else torch.where(kept, per_seq, 0.0)
+
+
+def _ppo_token_sums(logp, old_logp, advantages, mask, cfg, token_weights):
+    """sum_t w_t min(r A, clip(r, 1-eps_low, 1+eps_high) A) per sequence [N] (w_t = 1 without correction), the
+    float mask and the clip metrics: the token objective of GRPO, DAPO and Dr. GRPO, which differ only in how
+    they reduce it."""
     log_ratio, maskf = _log_ratio(logp, old_logp, mask)
     log_rho, metrics = _clip(log_ratio, advantages, maskf, *_fixed_log_bounds(cfg))
-    return advantages * masked_row_sum(torch.exp(log_rho), maskf), maskf, metrics
+    weights = maskf if token_weights is None else maskf * token_weights.detach().to(maskf.dtype)
+    return advantages * masked_row_sum(torch.exp(log_rho), weights), maskf, metrics
 
 
-def grpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+def grpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None, token_weights=None):
     """GRPO: min(r A, clip(r, 1-eps_low, 1+eps_high) A), mean over each sequence's tokens, then over sequences."""
-    token_sums, maskf, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg)
+    token_sums, maskf, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg, token_weights)
     per_seq = token_sums / maskf.sum(-1)
     return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
 
 
-def dapo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+def dapo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None, token_weights=None):
     """DAPO: the same clipped token objective (clip-higher 0.28), averaged over all tokens of the batch."""
-    token_sums, maskf, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg)
+    token_sums, maskf, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg, token_weights)
     return -_reduce(token_sums, num_tokens, maskf.sum()), metrics
 
 
-def dr_grpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+def dr_grpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None,
+                 token_weights=None):
     """Dr. GRPO: the same clipped token objective summed over all tokens of the batch and divided by a constant,
     num_seqs * cfg.token_budget (no length normalisation); its advantages are not divided by the group's std."""
-    token_sums, _, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg)
+    token_sums, _, metrics = _ppo_token_sums(logp, old_logp, advantages, mask, cfg, token_weights)
     return -_reduce(token_sums, num_seqs, token_sums.numel()) / cfg.token_budget, metrics
 
 
-def gmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+def gmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None, token_weights=None):
     """GMPO: log-ratio clipped sign-aware to [-c, c], sequence ratio exp(mean_t), objective A * ratio."""
     log_ratio, maskf = _log_ratio(logp, old_logp, mask)
     log_rho, metrics = _clip(log_ratio, advantages, maskf, -cfg.gmpo_clip, cfg.gmpo_clip)
-    per_seq = advantages * torch.exp(masked_row_sum(log_rho, maskf) / maskf.sum(-1))
-    return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
+    log_w, kept_mask, kept = _kept_tokens(maskf, token_weights)
+    if kept is not None:
+        log_rho = log_rho + log_w
+    per_seq = advantages * torch.exp(masked_row_sum(log_rho, kept_mask) / kept_mask.sum(-1))
+    return -_reduce(_drop_empty(per_seq, kept), num_seqs, per_seq.numel()), metrics
 
 
-def gspo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+def gspo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None, token_weights=None):
     """GSPO: sequence ratio s = exp(mean_t l), min(s A, clip(s, 1-eps_low, 1+eps_high) A), mean over sequences.
 
     The clip acts on the whole sequence (GSPO's eps: 3e-4, 4e-4). Its metrics are those of s, counted on
-    every token of the sequence: clip fractions are the share of tokens in clipped sequences.
+    every token of the sequence: clip fractions are the share of tokens in clipped sequences. Token weights:
+    mean_t log w_t is added to log s after the clip (module docstring), both means over the kept tokens.
     """
     log_ratio, maskf = _log_ratio(logp, old_logp, mask)
-    log_s = (masked_row_sum(log_ratio, maskf) / maskf.sum(-1)).unsqueeze(-1).expand_as(log_ratio)
+    log_w, kept_mask, kept = _kept_tokens(maskf, token_weights)
+    log_s = (masked_row_sum(log_ratio, kept_mask) / kept_mask.sum(-1)).unsqueeze(-1).expand_as(log_ratio)
     log_s, metrics = _clip(log_s, advantages, maskf, *_fixed_log_bounds(cfg))
-    per_seq = advantages * torch.exp(log_s[:, 0])
-    return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
+    log_s = log_s[:, 0]
+    if kept is not None:
+        log_s = log_s + masked_row_sum(log_w, kept_mask) / kept_mask.sum(-1)
+    per_seq = advantages * torch.exp(log_s)
+    return -_reduce(_drop_empty(per_seq, kept), num_seqs, per_seq.numel()), metrics
 
 
-def apmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+def apmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None, token_weights=None):
     """APMPO: J_i = A_i * M_p(rho'_i) with rho' clipped to [1-eps_low, 1+eps_ada]; mean over sequences.
 
     M_p is 1-homogeneous, so sgn(A) M_p(|A| rho') = A M_p(rho') and the power mean runs on log rho' alone.
+    Token weights: M_p(w rho') over the kept tokens, log x = log rho' + log w (module docstring).
     """
     eps_ada = params.eps_ada.to(device=logp.device, dtype=torch.promote_types(logp.dtype, torch.float32))
     eps_ada = eps_ada.unsqueeze(-1) if eps_ada.dim() == 1 else eps_ada
     log_lo = torch.log1p(-eps_ada) if cfg.clip_mode == "symmetric" else math.log1p(-cfg.eps_low)
     log_ratio, maskf = _log_ratio(logp, old_logp, mask)
     log_rho, metrics = _clip(log_ratio, advantages, maskf, log_lo, torch.log1p(eps_ada))
-    per_seq = advantages * torch.exp(power_mean(log_rho, maskf, params.p))
-    return -_reduce(per_seq, num_seqs, per_seq.numel()), metrics
+    log_w, kept_mask, kept = _kept_tokens(maskf, token_weights)
+    if kept is not None:
+        log_rho = log_rho + log_w
+    per_seq = advantages * torch.exp(power_mean(log_rho, kept_mask, params.p))
+    return -_reduce(_drop_empty(per_seq, kept), num_seqs, per_seq.numel()), metrics
 
 
 # (mu_R or FSS, cfg) -> the value for the step: a tensor like mu_R, or a float for a fixed rule.
@@ -430,6 +484,7 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     num_seqs: Tensor | float | None = None,
     num_tokens: Tensor | float | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss to minimise, -J of SPEC.md, and detached metrics.
 
@@ -439,11 +494,15 @@ def policy_loss(
     ref_logp: [N, T] reference log-probs; with cfg.kl_beta > 0 the loss includes kl_beta * KL.
     num_seqs, num_tokens: global counts of the optimisation batch when this call sees one micro-batch of it
     (sequence-mean losses use num_seqs, DAPO's token mean num_tokens); default: this call's own counts.
+    token_weights: [N, T] token-level rollout-correction weights w_t >= 0 (detached here; 0 drops a token), which
+    enter each loss as the module docstring says; None: no correction (sequence-level weights multiply the
+    advantages instead).
     Metrics: loss/total (the returned loss), loss/policy (its policy term), loss/kl (KL, without beta).
     """
-    _check_inputs(logp, old_logp, advantages, mask, params, ref_logp)
+    _check_inputs(logp, old_logp, advantages, mask, params, ref_logp, token_weights)
     loss, metrics = POLICY_LOSSES[cfg.name].fn(
-        logp, old_logp, _upcast(advantages), mask, cfg, params, num_seqs=num_seqs, num_tokens=num_tokens
+        logp, old_logp, _upcast(advantages), mask, cfg, params, num_seqs=num_seqs, num_tokens=num_tokens,
+        token_weights=token_weights,
     )
     metrics["loss/policy"] = loss
     if ref_logp is not None and cfg.kl_beta > 0:
@@ -500,10 +559,10 @@ def _check_rewards(rewards: Tensor) -> None:
         raise ValueError(f"rewards must be a tensor [B, G] (prompts x samples), got {shape}")
 
 
-def _check_inputs(logp, old_logp, advantages, mask, params, ref_logp) -> None:
+def _check_inputs(logp, old_logp, advantages, mask, params, ref_logp, token_weights) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must be [N, T], got shape {tuple(logp.shape)}")
-    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp)):
+    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("token_weights", token_weights)):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} like logp")
     n = logp.shape[0]

@@ -33,7 +33,7 @@ from apmpo.learner.engine import Dist, build_engine, check_devices, init_distrib
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.rollouts import PromptSampler, collect_rollouts
 from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
-from apmpo.learner.update import StepTotals, logprobs, truncated_importance_weights
+from apmpo.learner.update import StepTotals, logprobs, rollout_correction
 from apmpo.loss import AdaptiveParams, adaptive_params, policy_loss
 from apmpo.rewards import RewardPool, get_reward
 from apmpo.rollout.launcher import serve
@@ -166,14 +166,14 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
                 if on_policy:
                     mb.old_logp = logp.detach()
                     totals.add_entropy(entropy, mb, device)
-                advantages = mb.advantages.to(device)
-                if cfg.train.tis_cap is not None:
-                    advantages = advantages * truncated_importance_weights(mb, cfg.train.tis_cap, device)
+                # Importance weights against the engine that sampled (cfg.correction); the mismatch is logged.
+                advantages, token_weights = rollout_correction(mb, cfg.correction, totals, device)
                 # Global normalisers of this optimiser step; DeepSpeed averages gradients over ranks, hence / world.
                 loss, metrics = policy_loss(
                     logp, mb.old_logp, advantages, mb.loss_mask.to(device), cfg.loss,
                     params.per_sequence(groups[mb.indices]), ref_logp=mb.ref_logp,
-                    num_seqs=step.num_seqs / dist.world_size, num_tokens=step.num_tokens / dist.world_size)
+                    num_seqs=step.num_seqs / dist.world_size, num_tokens=step.num_tokens / dist.world_size,
+                    token_weights=token_weights)
                 engine.backward(loss * mb.weight)
                 totals.add(metrics, mb)
             engine.step()  # skipped by DeepSpeed, gradients cleared, when the gradient norm is not finite

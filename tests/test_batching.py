@@ -62,22 +62,6 @@ def test_collate_masks_completions_and_dummy_weight():
     assert collate(batch, [], pad_id=0).weight == 0.0
 
 
-def test_truncated_importance_weights():
-    import math
-
-    import torch
-
-    from apmpo.learner.update import truncated_importance_weights
-
-    batch = [Rollout([5], [7, 8], [-1.5, -2.5], "stop", group=0, advantage=1.0),
-             Rollout([5], [7], [-3.0], "stop", group=0, advantage=-1.0)]
-    mb = collate(batch, [0, 1], pad_id=0)
-    mb.old_logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -2.0, 0.0]])
-    # row 0: mean(old - engine) = mean(0.5, 0.5) = 0.5 -> exp(0.5) = 1.6487; row 1: -2 - (-3) = 1 -> e = 2.718
-    assert truncated_importance_weights(mb, 2.0, "cpu").tolist() == pytest.approx([math.exp(0.5), 2.0])
-    assert truncated_importance_weights(mb, 1.5, "cpu").tolist() == pytest.approx([1.5, 1.5])
-
-
 def test_overlong_penalty_is_dapos_soft_punishment():
     from apmpo.config import RolloutConfig
     from apmpo.learner.rollouts import overlong_penalty

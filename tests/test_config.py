@@ -27,9 +27,9 @@ def test_a_config_whose_data_is_not_here_fails_naming_it():
 
 
 def test_overrides_are_type_checked(tmp_path):
-    cfg = load_config(None, ["loss.name=grpo", "optim.lr=3e-6", "rollout.group_size=4", "train.tis_cap=2",
+    cfg = load_config(None, ["loss.name=grpo", "optim.lr=3e-6", "rollout.group_size=4", "correction.tis_cap=3",
                              "rollout.url=http://127.0.0.1:8000", "loss.fac=false"])
-    assert (cfg.loss.name, cfg.optim.lr, cfg.rollout.group_size, cfg.train.tis_cap) == ("grpo", 3e-6, 4, 2.0)
+    assert (cfg.loss.name, cfg.optim.lr, cfg.rollout.group_size, cfg.correction.tis_cap) == ("grpo", 3e-6, 4, 3.0)
     assert cfg.rollout.url == "http://127.0.0.1:8000" and cfg.loss.fac is False
     assert cfg.loss.eps_high == 0.2  # paper default resolved for grpo
     assert load_config(None, ["loss.name=dapo"]).loss.eps_high == 0.28
@@ -160,11 +160,13 @@ def test_values_at_the_edges_are_accepted(tmp_path):
 
 def test_tis_with_truncated_sampling_is_refused():
     # The engine's log-probs are of the top-p/top-k renormalised distribution, the learner's of the full one.
-    for override in ("rollout.top_p=0.9", "rollout.top_k=20"):
-        with pytest.raises(ConfigError, match="train.tis_cap needs rollout.top_p: 1.0 and rollout.top_k: -1"):
-            load_config(None, ["train.tis_cap=2.0", override])
-    assert load_config(None, ["train.tis_cap=2.0"]).train.tis_cap == 2.0
-    assert load_config(None, ["rollout.top_p=0.9"]).rollout.top_p == 0.9
+    for mode in ("tis", "mis"):
+        for override in ("rollout.top_p=0.9", "rollout.top_k=20"):
+            with pytest.raises(ConfigError, match=f"correction.mode: {mode} needs rollout.top_p: 1.0 and "
+                                                  "rollout.top_k: -1"):
+                load_config(None, [f"correction.mode={mode}", override])
+    assert load_config(None, ["correction.mode=tis"]).correction.mode == "tis"
+    assert load_config(None, ["rollout.top_p=0.9"]).rollout.top_p == 0.9  # mode off: nothing to bias
 
 
 def test_dr_grpo_budget_defaults_to_the_generation_budget():

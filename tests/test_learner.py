@@ -41,9 +41,11 @@ def assert_same_step(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["apmpo", "dapo"])
-def test_update_is_independent_of_micro_batches_accumulation_and_ranks(tmp_path, loss):
-    common = (f"loss.name={loss}", "loss.kl_beta=0.05", "loss.stats_scope=group", "train.tis_cap=2.0")
+@pytest.mark.parametrize("loss,level", [("apmpo", "token"), ("dapo", "sequence")])
+def test_update_is_independent_of_micro_batches_accumulation_and_ranks(tmp_path, loss, level):
+    # Truncated IS against the engine's log-probs (all 0 in the synthetic rollouts, so every weight is < 1).
+    common = (f"loss.name={loss}", "loss.kl_beta=0.05", "loss.stats_scope=group", "correction.mode=tis",
+              f"correction.level={level}", "correction.tis_cap=2.0")
     whole, = run_worker(tmp_path / "whole", *common, "train.micro_batch_tokens=100000")
     split, = run_worker(tmp_path / "split", *common, "train.micro_batch_tokens=40")
     assert max(split["micro_batches"]) > 3 and max(whole["micro_batches"]) == 1
@@ -55,6 +57,10 @@ def test_update_is_independent_of_micro_batches_accumulation_and_ranks(tmp_path,
     assert_same_step(whole, rank0)  # and two ranks take the same step as one
     assert not set(rank0["trained"]) & set(rank1["trained"])  # the rollouts were sharded
     assert sorted(rank0["trained"] + rank1["trained"]) == list(range(32))
+    # The mismatch metrics are reduced over ranks (sums, and a max-reduce for the ratio's extremes).
+    for key in ("rollout/mismatch_kl_k1", "rollout/mismatch_kl_k3", "rollout/is_ratio_min", "rollout/is_ratio_max",
+                "rollout/truncated_frac"):
+        assert rank0["metrics"][key] == rank1["metrics"][key] == pytest.approx(whole["metrics"][key], rel=1e-5)
 
 
 def assert_identical(a, b):
@@ -69,7 +75,8 @@ def assert_identical(a, b):
 def test_on_policy_step_reuses_the_update_forward_bit_for_bit(tmp_path):
     # One optimiser step per rollout batch, one epoch: the old log-probs are the update forward's own, detached.
     # Values, gradients (norms and the parameters after the step) and metrics equal a separate no-grad forward's.
-    common = ("train.mini_batch_size=8", "loss.kl_beta=0.05", "train.tis_cap=2.0", "train.micro_batch_tokens=60")
+    common = ("train.mini_batch_size=8", "loss.kl_beta=0.05", "correction.mode=tis", "correction.level=token",
+              "train.micro_batch_tokens=60")
     reused, = run_worker(tmp_path / "reused", *common)
     recomputed, = run_worker(tmp_path / "recomputed", *common, extra=("--recompute-old",))
     assert len(reused["grad_norms"]) == 1 and max(reused["micro_batches"]) > 3

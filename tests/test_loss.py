@@ -326,7 +326,8 @@ def test_registry_defaults_and_rules():
 def test_a_new_loss_is_one_function_and_one_entry(monkeypatch):
     # REINFORCE with the sequence's mean log-prob: registered at run time, it is a valid name, its rules set
     # p and eps_ada, its advantage rule and its defaults apply, and policy_loss dispatches to it.
-    def reinforce(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None):
+    def reinforce(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, num_tokens=None,
+                  token_weights=None):
         maskf = mask.to(logp.dtype)
         return -(advantages * (logp * maskf).sum(-1) / maskf.sum(-1)).mean(), {}
 
