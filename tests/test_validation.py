@@ -220,3 +220,16 @@ def test_plot_adds_a_validation_panel_per_benchmark(tmp_path):
         assert plot_main([str(path), "--out", str(tmp_path / f"{name}.png")]) == 0
         heights.append(struct.unpack(">II", (tmp_path / f"{name}.png").read_bytes()[16:24])[1])
     assert heights[0] > 1.4 * heights[1]  # a third row of panels (8.4 in -> 12.6 in high)
+
+
+def test_eval_cli_scores_with_a_named_reward(tmp_path, monkeypatch, capsys):
+    model = str(save_quickstart_model(tmp_path / "model"))
+    monkeypatch.setattr(apmpo.rollout.launcher, "serve", FakeClient(model, make_val_samples()).serve)
+    for name, reward in (("own", []), ("same", ["--reward", "apmpo.rewards.quickstart:quickstart_reward"]),
+                         ("maths", ["--reward", "apmpo.rewards.maths:math_reward"])):
+        assert eval_main(["--model", model, *CLI, "--seeds", "0", "--out", str(tmp_path / name), *reward]) == 0
+    pass1 = {name: json.loads((tmp_path / name / "results.json").read_text())["benchmarks"]["quickstart_val"]
+             ["pass@1"]["mean"] for name in ("own", "same", "maths")}
+    assert pass1["own"] == pass1["same"] > 0 and pass1["maths"] == 0.0  # a bare digit is no boxed answer
+    assert eval_main(["--model", model, *CLI, "--out", str(tmp_path / "bad"), "--reward", "no_such_pkg:fn"]) == 1
+    assert "--reward 'no_such_pkg:fn': ModuleNotFoundError" in capsys.readouterr().err
