@@ -671,3 +671,202 @@ def test_small_p_series_is_exact_to_third_order_in_float64():
         assert got.dtype == torch.float64
         want = torch.log(torch.exp(p * log_x).mean()) / p
         assert got.item() == pytest.approx(want.item(), abs=1e-8)
+
+
+# --------------------------------------------------------------------------- rollout correction: token weights
+# w_t = pi_old / pi_engine per token (truncated, or 0 where masked), detached. The reference below applies it
+# as the module docstring says, per token in ratio space: on each token's clipped term in GRPO, DAPO and
+# Dr. GRPO (w = 0: a zero term, 1/|o_i| unchanged); on x_t = w_t rho'_t inside the power mean of APMPO and
+# GMPO, and as the geometric mean of w on GSPO's clipped sequence ratio, both over the kept tokens (w > 0); a
+# sequence with none kept contributes 0. Global normalisers (N, all tokens, N * budget) never change.
+
+
+def reference_weighted(logp, old_logp, adv, mask, w, name, eps_low, eps_high, p=1.0, gmpo_clip=0.4, budget=None):
+    """-J with token weights w (nested lists), per token in ratio space, float64."""
+    N, T = logp.shape
+    per_seq, token_terms, n_tokens = [], [], 0
+    for i in range(N):
+        A = adv[i]
+        toks = [t for t in range(T) if mask[i][t]]
+        kept = [t for t in toks if w[i][t] > 0]
+        n_tokens += len(toks)
+        r = {t: torch.exp(logp[i, t] - old_logp[i, t]) for t in toks}
+        if name in ("grpo", "dapo", "dr_grpo"):
+            U = [w[i][t] * torch.minimum(r[t] * A, torch.clamp(r[t], 1 - eps_low, 1 + eps_high) * A) for t in toks]
+            token_terms += U
+            per_seq.append(sum(U) / len(toks))
+        elif not kept or A == 0:
+            per_seq.append(torch.zeros((), dtype=logp.dtype))
+        elif name == "gmpo":
+            logs = []
+            for t in kept:
+                log_r = torch.log(r[t])
+                clipped = torch.clamp(log_r, -gmpo_clip, gmpo_clip)
+                logs.append((torch.minimum(log_r, clipped) if A > 0 else torch.maximum(log_r, clipped)) + math.log(w[i][t]))
+            per_seq.append(A * torch.exp(sum(logs) / len(kept)))
+        elif name == "gspo":
+            s = torch.exp(sum(torch.log(r[t]) for t in kept) / len(kept))
+            g_w = math.exp(sum(math.log(w[i][t]) for t in kept) / len(kept))
+            per_seq.append(torch.minimum(s * A, torch.clamp(s, 1 - eps_low, 1 + eps_high) * A) * g_w)
+        else:  # apmpo: sgn(A) M_p(|min(r A, rho A)| w) over the kept tokens
+            phi = [torch.abs(torch.minimum(r[t] * A, torch.clamp(r[t], 1 - eps_low, 1 + eps_high) * A)) * w[i][t]
+                   for t in kept]
+            if p == 0:
+                M = torch.exp(sum(torch.log(x) for x in phi) / len(phi))
+            else:
+                M = (sum(x**p for x in phi) / len(phi)) ** (1 / p)
+            per_seq.append(math.copysign(1.0, A) * M)
+    if name == "dapo":
+        return -sum(token_terms) / n_tokens
+    if name == "dr_grpo":
+        return -sum(token_terms) / (N * budget)
+    return -sum(per_seq) / N
+
+
+def random_token_weights(N, T, seed):
+    """Positive weights around 1, about a fifth of them 0 (masked), and row 1 masked entirely."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(torch.randn(N, T, generator=g, dtype=torch.float64) * 0.5).clamp(max=1.6)
+    w[torch.rand(N, T, generator=g) < 0.2] = 0.0
+    w[1] = 0.0
+    return w
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name,p", [("apmpo", 0.7), ("apmpo", 1.0), ("apmpo", 0.0), ("apmpo", -0.5), ("apmpo", 2.5),
+                                    ("grpo", None), ("dapo", None), ("dr_grpo", None), ("gmpo", None), ("gspo", None)])
+def test_token_weights_match_per_token_reference(seed, name, p):
+    N, T = 7, 11
+    logp, old, adv, mask = random_batch(N, T, 400 + seed)
+    w = random_token_weights(N, T, 500 + seed)
+    assert ((w > 0) & mask).any(-1).sum() >= 3  # some rows keep tokens, row 1 none
+    if name == "apmpo":  # the reference gets p and eps_ada as the kernel does, rounded to fp32 by params_for
+        cfg, params = LossConfig(), params_for(p, 0.33)
+        kw = dict(eps_low=0.2, eps_high=params.eps_ada.item(), p=params.p.item())
+    elif name == "gspo":  # a wider clip than GSPO's, so some sequences are clipped and some are not
+        cfg = LossConfig(name=name, eps_low=0.05, eps_high=0.06)
+        params, kw = params_for(0.0, 0.06), dict(eps_low=0.05, eps_high=0.06)
+    else:
+        cfg = LossConfig(name=name, token_budget=BUDGET)
+        params, kw = params_for(1.0, cfg.eps_high), dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, budget=BUDGET)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = policy_loss(x, old, adv, mask, cfg, params, token_weights=w)
+    loss.backward()
+    y = logp.clone().requires_grad_(True)
+    ref = reference_weighted(y, old, adv.tolist(), mask.tolist(), w.tolist(), name, **kw)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-9, atol=1e-12)
+    assert torch.equal(x.grad[1], torch.zeros(T, dtype=x.dtype))  # a fully masked sequence: no policy term
+    # The weights are detached: a weight tensor that requires grad gets none.
+    w_grad = w.clone().requires_grad_(True)
+    policy_loss(logp.clone().requires_grad_(True), old, adv, mask, cfg, params, token_weights=w_grad)[0].backward()
+    assert w_grad.grad is None
+
+
+def test_hand_token_weights():
+    # Two tokens with r = 1 (logp = old), A = 1, weights w = [4, 1], except where said.
+    logp, old = torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64)
+    mask, adv, w = torch.ones(1, 2, dtype=torch.bool), torch.ones(1, dtype=torch.float64), torch.tensor([[4.0, 1.0]])
+
+    def run(name, weights, p=1.0):
+        x = logp.clone().requires_grad_(True)
+        loss, _ = policy_loss(x, old, adv, mask, LossConfig(name=name, token_budget=4), params_for(p, 0.3),
+                              token_weights=weights.double())
+        loss.backward()
+        return loss.item(), x.grad[0].tolist()
+
+    # GRPO: mean_t w_t rho'_t A = (4 + 1)/2 = 2.5; d/dl_t = w_t r_t / 2 = [2, 0.5] (r = 1 is inside the clip)
+    assert run("grpo", w) == (pytest.approx(-2.5), pytest.approx([-2.0, -0.5]))
+    # masked first token: (0 + 1)/2 = 0.5, still divided by |o| = 2
+    assert run("grpo", torch.tensor([[0.0, 1.0]])) == (pytest.approx(-0.5), pytest.approx([0.0, -0.5]))
+    # DAPO: (4 + 1) / 2 tokens = 2.5; Dr. GRPO: (4 + 1) / (1 sequence * budget 4) = 1.25
+    assert run("dapo", w)[0] == pytest.approx(-2.5)
+    assert run("dr_grpo", w)[0] == pytest.approx(-1.25)
+    # APMPO p = 0.5: M = ((sqrt 4 + sqrt 1)/2)^2 = 1.5^2 = 2.25; d log M / d l_t = x_t^p / sum x^p = [2/3, 1/3],
+    # so dM/dl = 2.25 * [2/3, 1/3] = [1.5, 0.75]
+    assert run("apmpo", w, p=0.5) == (pytest.approx(-2.25), pytest.approx([-1.5, -0.75]))
+    # APMPO p = 0 and GMPO: geometric mean exp((ln 4 + 0)/2) = 2; d/dl_t = 2 * [1/2, 1/2] = [1, 1]
+    assert run("apmpo", w, p=0.0) == (pytest.approx(-2.0), pytest.approx([-1.0, -1.0]))
+    assert run("gmpo", w) == (pytest.approx(-2.0), pytest.approx([-1.0, -1.0]))
+    # masked first token in a power mean: it leaves the mean, which is x_2 = 1 (p = 0.5 and p = -2 alike)
+    for p in (0.5, -2.0):
+        assert run("apmpo", torch.tensor([[0.0, 1.0]]), p=p) == (pytest.approx(-1.0), pytest.approx([0.0, -1.0]))
+    assert run("gmpo", torch.tensor([[0.0, 0.0]])) == (0.0, [0.0, 0.0])  # nothing kept: no policy term
+    # GSPO: s = 1 (unclipped), times the geometric mean of w, 2: -2.0; d/dl_t = 2 * s / 2 = [1, 1]
+    assert run("gspo", w) == (pytest.approx(-2.0), pytest.approx([-1.0, -1.0]))
+
+
+def test_token_weights_p1_is_decoupled_grpo_and_p0_the_sequence_weight():
+    # APMPO at p = 1 with token weights is GRPO's token-level decoupled loss (same clip); at p = 0, with no token
+    # masked, it is the unweighted p = 0 loss with each advantage times the geometric mean of its weights.
+    logp, old, adv, mask = random_batch(6, 9, seed=11)
+    w = torch.exp(torch.randn(6, 9, generator=torch.Generator().manual_seed(12), dtype=torch.float64) * 0.4)
+    apmpo = LossConfig(fac=False, eps_high=0.25)
+    grpo = LossConfig(name="grpo", eps_high=0.25)
+    a = policy_loss(logp, old, adv, mask, apmpo, params_for(1.0, 0.25), token_weights=w)[0]
+    b = policy_loss(logp, old, adv, mask, grpo, params_for(1.0, 0.25), token_weights=w)[0]
+    assert a.item() == pytest.approx(b.item(), rel=1e-12)
+    g = torch.exp((torch.log(w) * mask).sum(-1) / mask.sum(-1))
+    c = policy_loss(logp, old, adv, mask, apmpo, params_for(0.0, 0.25), token_weights=w)[0]
+    d = policy_loss(logp, old, adv * g, mask, apmpo, params_for(0.0, 0.25))[0]
+    assert c.item() == pytest.approx(d.item(), rel=1e-12)
+
+
+BASELINE = "53e5db379cd0b37eaff44009560415de1536a08c"  # apmpo/loss.py before rollout correction
+
+
+def baseline_loss_module():
+    """apmpo/loss.py as it was before token weights, read from git (skipped outside a git checkout)."""
+    import subprocess
+    import sys
+    import types
+    from pathlib import Path
+
+    try:
+        source = subprocess.run(["git", "show", f"{BASELINE}:apmpo/loss.py"], capture_output=True, text=True,
+                                check=True, cwd=Path(__file__).parent).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"needs the git history (commit {BASELINE[:8]})")
+    module = types.ModuleType("apmpo_loss_baseline")
+    sys.modules[module.__name__] = module  # dataclasses look their module up while the class is created
+    exec(compile(source, module.__name__, "exec"), module.__dict__)
+    return module
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_without_token_weights_every_loss_is_bit_identical_to_before(name):
+    # Correction off (and sequence level, which only scales the advantages) leaves each loss's code path as it
+    # was: loss, gradient and metrics equal the pre-correction module's bit for bit, micro-batch normalisers on.
+    old_module = baseline_loss_module()
+    logp, old, adv, mask = random_batch(9, 13, seed=21, dtype=torch.float32)
+    ref = old - 0.2
+    results = []
+    for module in (old_module, None):
+        loss_config = (old_module.LossConfig if module else LossConfig)(name=name, token_budget=BUDGET, kl_beta=0.1,
+                                                                        stats_scope="group")
+        params = (old_module.adaptive_params if module else adaptive_params)(
+            torch.rand(3, 3, generator=torch.Generator().manual_seed(3)), loss_config).per_sequence(
+            torch.arange(3).repeat_interleave(3))
+        x = logp.clone().requires_grad_(True)
+        fn = module.policy_loss if module else policy_loss
+        loss, metrics = fn(x, old, adv, mask, loss_config, params, ref_logp=ref, num_seqs=12, num_tokens=90)
+        loss.backward()
+        results.append((loss, x.grad, metrics))
+    (loss0, grad0, m0), (loss1, grad1, m1) = results
+    assert torch.equal(loss0, loss1) and torch.equal(grad0, grad1)
+    assert m0.keys() == m1.keys() and all(torch.equal(m0[k], m1[k]) for k in m0)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_token_weights_micro_batches_with_global_normalisers_equal_whole_batch(name):
+    logp, old, adv, mask = random_batch(12, 17, seed=8, dtype=torch.float32)
+    w = random_token_weights(12, 17, seed=9).float()
+    cfg, params = LossConfig(name=name, token_budget=BUDGET), params_for(0.6, 0.3)
+    whole = logp.clone().requires_grad_(True)
+    policy_loss(whole, old, adv, mask, cfg, params, token_weights=w)[0].backward()
+    split = logp.clone().requires_grad_(True)
+    for rows in (torch.arange(0, 5), torch.arange(5, 6), torch.arange(6, 12)):
+        policy_loss(split[rows], old[rows], adv[rows], mask[rows], cfg, params, num_seqs=12, num_tokens=mask.sum(),
+                    token_weights=w[rows])[0].backward()
+    torch.testing.assert_close(split.grad, whole.grad, rtol=1e-5, atol=1e-8)
