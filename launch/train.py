@@ -19,7 +19,6 @@ import functools
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
@@ -27,8 +26,7 @@ from transformers import AutoTokenizer
 
 from apmpo.config import Config, ConfigError, load_config, save_config
 from apmpo.learner.batching import Rollout, collate, plan_step
-from apmpo.learner.checkpoint import (latest_checkpoint, load_checkpoint, remove_incomplete, save_checkpoint,
-                                     start_fresh)
+from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
 from apmpo.learner.engine import Dist, build_engine, check_devices, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.rollouts import PromptSampler, collect_rollouts
@@ -53,15 +51,9 @@ def main(cfg: Config, resume: str) -> None:
     samples, prompt_ids = load_prompts(cfg, tokenizer, vision) if dist.is_main else ([], [])
 
     # ------------------------------------------------------------------ resume
-    start_step, trainer_state = 0, {}
-    checkpoint = None if resume == "never" else latest_checkpoint(run_dir) if resume == "auto" else Path(resume)
-    if resume == "never" and dist.is_main:
-        start_fresh(run_dir)
-    if checkpoint is not None:
-        trainer_state = load_checkpoint(engine, checkpoint, dist.rank)
-        start_step = trainer_state["step"]
+    trainer_state = resume_checkpoint(engine, run_dir, resume, dist.rank)  # rank 0 picks it, every rank loads it
+    start_step = trainer_state.get("step", 0)
     if dist.is_main:
-        remove_incomplete(run_dir)
         sampler = PromptSampler(len(samples), cfg.data.seed, **trainer_state.get("sampler", {}))
 
     with contextlib.ExitStack() as stack:

@@ -6,10 +6,16 @@ config, loadable by `AutoModelForCausalLM.from_pretrained` and by the generation
 
 Everything is written into `step_<k>.tmp/` and renamed to `step_<k>/` only once all ranks have finished.
 A run killed at any point (SIGKILL mid-step or mid-save) leaves either a complete checkpoint or a `.tmp`
-directory that resume ignores and removes.
+directory that resume ignores and removes. A save first checks that the disk has room for the checkpoint (all
+ranks fail together, before writing, if not); a disk that fills up anyway fails with the path named and the
+partial `.tmp` removed. Earlier checkpoints are untouched either way.
+
+Rank 0 picks the checkpoint to resume from and broadcasts it (`resume`): multi-node runs need a run directory
+shared by all nodes, and a rank that cannot read the chosen checkpoint stops every rank with the path named.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -37,22 +43,42 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(complete, key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)
 
 
+def checkpoint_bytes(engine, world_size: int, export_hf: bool) -> int:
+    """About what one checkpoint takes on disk, all ranks together: the module's weights (DeepSpeed's model
+    states, and hf/ once more), ZeRO's fp32 master weights and Adam's two fp32 moments (12 bytes a parameter,
+    partitioned over the ranks), and 1 MiB a rank for pickling, RNG states, config and tokenizer files."""
+    numel = sum(p.numel() for p in engine.module.parameters())
+    weights = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    return weights * (2 if export_hf else 1) + 12 * numel + world_size * (1 << 20)
+
+
 def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, tokenizer, rank: int,
                     keep_last: int, export_hf: bool = True) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
+    """Collective: every rank calls it. Returns the final directory. Raises OSError(ENOSPC) naming the path
+    when the disk lacks room, before writing anything if it can tell."""
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    root.mkdir(parents=True, exist_ok=True)
+    _check_free_space(tmp, checkpoint_bytes(engine, _world_size(), export_hf))
     if rank == 0:
-        if export_hf:
-            engine.module.save_pretrained(tmp / "hf", safe_serialization=True)
-            tokenizer.save_pretrained(tmp / "hf")
-        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+        tmp.mkdir()
+    _barrier()
+    try:
+        engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
+        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            if export_hf:
+                engine.module.save_pretrained(tmp / "hf", safe_serialization=True)
+                tokenizer.save_pretrained(tmp / "hf")
+            (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+    except Exception as error:  # noqa: BLE001  (only a full disk is translated; anything else re-raises as is)
+        if not _disk_full(error, root):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; earlier checkpoints are untouched
+        raise OSError(errno.ENOSPC, f"the disk is full: writing checkpoint {tmp} failed ({type(error).__name__}: "
+                      f"{str(error)[:200]}); earlier checkpoints in {root} are intact") from error
     _barrier()
     if os.environ.get("APMPO_FAULT_SAVE_PAUSE_S"):  # fault injection for tests: a window to kill mid-save
         time.sleep(float(os.environ["APMPO_FAULT_SAVE_PAUSE_S"]))
@@ -63,6 +89,36 @@ def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, token
         _prune(root, keep_last)
     _barrier()
     return final
+
+
+def resume(engine, run_dir: Path, resume_from: str, rank: int) -> dict:
+    """Collective. Rank 0 picks the checkpoint: none for "never" (and removes the run's old checkpoints),
+    the latest complete one of its run directory for "auto", or the given path. Every rank loads that one, named
+    as rank 0 named it (a `step_<k>` of its own run directory for "auto"); each choosing its own made ranks
+    with node-local run directories start at different steps and hang. Returns rank 0's trainer state ({}: from
+    scratch); raises RuntimeError on every rank, naming the path, when any rank cannot read the checkpoint."""
+    choice = None
+    if rank == 0:
+        if resume_from == "never":
+            start_fresh(run_dir)
+        remove_incomplete(run_dir)
+        if resume_from == "auto":
+            latest = latest_checkpoint(run_dir)
+            choice = latest.name if latest is not None else None
+        elif resume_from != "never":
+            choice = resume_from
+    choice = _broadcast(choice)
+    if choice is None:
+        return {}
+    path = checkpoint_dir(run_dir) / choice if resume_from == "auto" else Path(choice)
+    readable = (path / "trainer_state.json").is_file() and (path / DEEPSPEED_TAG).is_dir()
+    unreadable = [r for r, ok in enumerate(_gather(readable)) if not ok]
+    if unreadable:
+        raise RuntimeError(f"cannot resume: rank(s) {unreadable} cannot read checkpoint {choice!r}, which rank 0 "
+                           f"resumes from (rank {rank} looked in {path}); multi-node runs need a run directory "
+                           "shared by all nodes")
+    load_checkpoint(engine, path, rank)
+    return _broadcast(json.loads((path / "trainer_state.json").read_text()) if rank == 0 else None)
 
 
 def load_checkpoint(engine, path: Path, rank: int) -> dict:
@@ -153,6 +209,47 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _check_free_space(tmp: Path, needed: int) -> None:
+    """Collective: raises OSError(ENOSPC) on every rank when any rank's disk has less room than `needed` bytes
+    (the whole checkpoint: on a shared directory every rank's part lands on the same disk)."""
+    free = _gather(shutil.disk_usage(tmp.parent).free)
+    short = [r for r, f in enumerate(free) if f < needed]
+    if short:
+        raise OSError(errno.ENOSPC, f"the disk is full: checkpoint {tmp} needs about {needed / 2**20:.1f} MiB, "
+                      f"rank {short[0]} has {free[short[0]] / 2**20:.1f} MiB free; nothing was written and earlier "
+                      f"checkpoints in {tmp.parent} are intact (free space, or lower checkpoint.keep_last)")
+
+
+def _disk_full(error: BaseException, root: Path) -> bool:
+    """torch.save's C++ writer loses the errno ("basic_ios::clear: iostream error", "unexpected pos"), so a
+    failure also counts as a full disk when less than 1 MiB is left."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return shutil.disk_usage(root).free < (1 << 20)
+
+
+def _world_size() -> int:
+    return torch_dist.get_world_size() if torch_dist.is_available() and torch_dist.is_initialized() else 1
+
+
+def _gather(value) -> list:
+    """Every rank's `value`, by rank (a list of one without a process group)."""
+    if _world_size() == 1:
+        return [value]
+    out = [None] * _world_size()
+    torch_dist.all_gather_object(out, value)
+    return out
+
+
+def _broadcast(value):
+    """Rank 0's `value` on every rank."""
+    if _world_size() == 1:
+        return value
+    box = [value]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _barrier() -> None:

@@ -1,0 +1,93 @@
+"""Checkpoints on the real DeepSpeed engine (tests/checkpoint_worker.py): a full disk fails clearly and keeps the
+earlier checkpoints (on a small tmpfs), and rank 0 alone decides what every rank resumes from (two gloo ranks,
+rank 1 on a run directory of its own, as a node with a node-local disk)."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apmpo.rollout.net import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "checkpoint_worker.py"
+BIN = Path(sys.executable).parent
+
+
+def run_worker(*args, ranks=1) -> subprocess.CompletedProcess:
+    if ranks == 1:
+        command = [sys.executable, str(WORKER), *map(str, args)]
+    else:
+        command = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
+                   str(WORKER), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MiB tmpfs: room for one checkpoint of the tiny model (7.2 MB), not for two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_full_disk_fails_with_the_path_and_keeps_earlier_checkpoints(small_disk):
+    ok(run_worker("save", small_disk, "--step", "1"))
+    checkpoints = small_disk / "checkpoints"
+    before = digests(checkpoints / "step_1")
+
+    done = run_worker("save", small_disk, "--step", "2")
+    assert done.returncode != 0
+    # Before: "RuntimeError: basic_ios::clear: iostream error" from inside torch.save, and a half-written step_2.tmp.
+    assert f"the disk is full: checkpoint {checkpoints / 'step_2.tmp'} needs about 7.8 MiB" in done.stderr
+    assert "nothing was written" in done.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1"]
+    assert digests(checkpoints / "step_1") == before
+
+    done = run_worker("save", small_disk, "--step", "2", "--no-space-check")  # the check passes, the disk fills
+    assert done.returncode != 0
+    assert f"the disk is full: writing checkpoint {checkpoints / 'step_2.tmp'} failed" in done.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1"]  # the partial save was removed
+    assert digests(checkpoints / "step_1") == before
+
+
+@pytest.mark.slow
+def test_rank_zero_decides_the_resume_checkpoint(tmp_path):
+    shared = tmp_path / "shared"
+    ok(run_worker("save", shared, "--step", "2", ranks=2))
+    ok(run_worker("resume", shared, tmp_path / "out_shared", ranks=2))
+    ranks = [json.loads((tmp_path / "out_shared" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["step"] for r in ranks] == [2, 2] and ranks[0]["param_sum"] == ranks[1]["param_sum"]
+
+    # Node-local run directories: rank 1's disk lacks the step_2 that rank 0 resumes from. Each rank choosing
+    # for itself started rank 0 at step 2 and rank 1 from scratch, and the ranks hung in their first collective.
+    shutil.copytree(shared, tmp_path / "node0")
+    (tmp_path / "node1").mkdir()
+    done = run_worker("resume", tmp_path / "node{rank}", tmp_path / "out_local", ranks=2)
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert ("cannot resume: rank(s) [1] cannot read checkpoint 'step_2', which rank 0 resumes from (rank 1 looked "
+            f"in {tmp_path / 'node1' / 'checkpoints' / 'step_2'}); multi-node runs need a run directory shared") in output
+    assert not (tmp_path / "out_local").exists()
