@@ -25,11 +25,13 @@ import torch.distributed as torch_dist
 from transformers import AutoTokenizer
 
 from apmpo.config import Config, ConfigError, load_config, save_config
+from apmpo.data import stop_token_ids
+from apmpo.eval.validate import Validation
 from apmpo.learner.batching import Rollout, collate, plan_step
-from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
+from apmpo.learner.checkpoint import resume as resume_checkpoint, save_best, save_checkpoint
+from apmpo.learner.collect import PromptSampler, collect_rollouts
 from apmpo.learner.engine import Dist, build_engine, check_devices, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
-from apmpo.learner.rollouts import PromptSampler, collect_rollouts
 from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
 from apmpo.loss import AdaptiveParams, adaptive_params, policy_loss
@@ -49,6 +51,9 @@ def main(cfg: Config, resume: str) -> None:
     reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
     vision = load_vision(model_path, tokenizer)  # None for text models
     samples, prompt_ids = load_prompts(cfg, tokenizer, vision) if dist.is_main else ([], [])
+    stop_ids = stop_token_ids(model_path, tokenizer)  # as in evaluation
+    # Held-out benchmarks through the same server, as `python -m apmpo.eval` scores them (bad prompts fail here).
+    validation = Validation(cfg, tokenizer, model_path) if dist.is_main and cfg.eval.every else None
 
     # ------------------------------------------------------------------ resume
     trainer_state = resume_checkpoint(engine, run_dir, resume, dist.rank)  # rank 0 picks it, every rank loads it
@@ -81,14 +86,14 @@ def main(cfg: Config, resume: str) -> None:
         skipped_in_a_row = 0
         for step in range(start_step + 1, cfg.train.steps + 1):
             step_start, times = time.perf_counter(), {}
-            step_seed = cfg.train.seed * 100_003 + step  # sampling and the mini-batch order, resumable
+            step_seed = cfg.train.seed * 100_003 + step  # the mini-batch order, resumable
 
             # ---------------------------------------------------------- 1-4. prompts, generate, score, statistics
             if dist.is_main:
-                batch = collect_rollouts(client, sampler, prompt_ids, samples, score, cfg.rollout,
-                                         seed=step_seed, loss=cfg.loss, times=times,
-                                         vision=vision)
+                batch = collect_rollouts(client, sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss,
+                                         run_seed=cfg.train.seed, step=step, stop_token_ids=stop_ids, vision=vision)
                 params = adaptive_params(batch.rewards, cfg.loss)
+                times |= batch.times
             # ---------------------------------------------------------- 5. every rank gets the batch
             payload = [(batch.rollouts, params) if dist.is_main else None]
             torch_dist.broadcast_object_list(payload, src=0)
@@ -110,9 +115,14 @@ def main(cfg: Config, resume: str) -> None:
                 times["weight_sync_engine_load"] = client.last_push["reload_s"] - client.last_push["wait_s"]
             times["weight_sync"] = time.perf_counter() - tick
 
-            # ---------------------------------------------------------- 9. log and checkpoint
+            # ---------------------------------------------------------- 9. validate, log and checkpoint
             if dist.is_main:
-                times["step"] = time.perf_counter() - step_start
+                times["step"] = time.perf_counter() - step_start  # validation excluded: it is not every step
+                if validation and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+                    metrics |= validation.run(client, pool.score, step)  # the server holds this step's weights
+                    if cfg.checkpoint.keep_best:
+                        save_best(engine.module, vision or tokenizer, run_dir, step, cfg.checkpoint.keep_best,
+                                  metrics[cfg.checkpoint.keep_best])
                 logger.log(step, {**batch.metrics, **metrics, "optim/lr": engine.get_lr()[0],
                                   **{f"time/{k}": v for k, v in times.items()}})
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps):

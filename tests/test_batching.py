@@ -64,7 +64,7 @@ def test_collate_masks_completions_and_dummy_weight():
 
 def test_overlong_penalty_is_dapos_soft_punishment():
     from apmpo.config import RolloutConfig
-    from apmpo.learner.rollouts import overlong_penalty
+    from apmpo.learner.collect import overlong_penalty
 
     cfg = RolloutConfig(max_tokens=100, overlong_buffer=20, overlong_penalty=1.0)
     # no penalty up to 100 - 20 = 80 tokens, then linear: 90 -> -(10/20) = -0.5, 100 -> -1
@@ -73,7 +73,7 @@ def test_overlong_penalty_is_dapos_soft_punishment():
 
 
 def test_prompt_sampler_is_seeded_covers_each_epoch_and_resumes():
-    from apmpo.learner.rollouts import PromptSampler
+    from apmpo.learner.collect import PromptSampler
 
     a = PromptSampler(10, seed=3)
     first = a.take(4) + a.take(6)

@@ -25,6 +25,7 @@ from apmpo.learner.checkpoint import _prune, best_record, save_best, start_fresh
 from apmpo.quickstart import DIGITS, VAL_DIGIT_SETS, make_samples, make_val_samples, save_quickstart_model
 from apmpo.rewards import RewardPool
 from apmpo.rollout.client import Sample
+from train_runs import metrics as read_metrics, run, train_command
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -233,3 +234,29 @@ def test_eval_cli_scores_with_a_named_reward(tmp_path, monkeypatch, capsys):
     assert pass1["own"] == pass1["same"] > 0 and pass1["maths"] == 0.0  # a bare digit is no boxed answer
     assert eval_main(["--model", model, *CLI, "--out", str(tmp_path / "bad"), "--reward", "no_such_pkg:fn"]) == 1
     assert "--reward 'no_such_pkg:fn': ModuleNotFoundError" in capsys.readouterr().err
+
+
+# --- in a training run -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_training_validates_every_2_steps_and_logs_what_the_eval_cli_reports(tmp_path):
+    run(train_command("configs/quickstart.yaml", "train.steps=6", "eval.every=2", "eval.limit=40",
+                      "checkpoint.save_every=2", "checkpoint.keep_last=3", f"logging.output_dir={tmp_path}",
+                      "checkpoint.keep_best=val/quickstart_val/pass@1"), timeout=900)
+    rows = read_metrics(tmp_path / "quickstart")
+    validated = {row["step"]: row for row in rows if "val/quickstart_val/pass@1" in row}
+    assert sorted(validated) == [2, 4, 6]
+    assert all(row["time/eval"] > 0 for row in validated.values())
+    best = best_record(tmp_path / "quickstart")
+    assert best["value"] == max(row["val/quickstart_val/pass@1"] for row in validated.values())
+    # Step 4's checkpoint through the CLI, with the run's settings and seed (train.seed 0): the logged values.
+    done = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model",
+                           str(tmp_path / "quickstart" / "checkpoints" / "step_4" / "hf"), *CLI, "--seeds", "0",
+                           "--max-model-len", "128", "--dtype", "float32", "--out", str(tmp_path / "cli")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ})
+    assert done.returncode == 0, done.stderr[-3000:]
+    cli = json.loads((tmp_path / "cli" / "results.json").read_text())["benchmarks"]["quickstart_val"]
+    assert validated[4]["val/quickstart_val/pass@1"] == cli["pass@1"]["mean"]
+    assert validated[4]["val/quickstart_val/pass@4"] == cli["pass@4"]["mean"]
+    assert validated[4]["val/quickstart_val/length_mean"] == cli["mean_tokens"]

@@ -39,6 +39,16 @@ class Rollout:
 
 
 @dataclass
+class StepRollouts:
+    """Rank 0's rollout batch of one training step (apmpo.learner.collect.collect_rollouts)."""
+
+    rollouts: list[Rollout]  # what the learner trains on, advantages filled in
+    rewards: Tensor  # [groups, G] rewards of the trained groups: input of adaptive_params
+    metrics: dict[str, float]
+    times: dict[str, float]  # seconds: "generate", "reward"
+
+
+@dataclass
 class MicroBatch:
     """Padded tensors of a few rollouts. Shapes: [n, L], L = longest prompt + completion in it."""
 

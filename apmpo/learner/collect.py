@@ -7,14 +7,14 @@ groups whose rewards are all equal and sample more prompts until the batch is fu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from apmpo.config import RolloutConfig
 from apmpo.data.vision import VisionInputs
-from apmpo.learner.batching import Rollout
+from apmpo import seeding
+from apmpo.learner.batching import Rollout, StepRollouts
 from apmpo.loss import LossConfig, advantages_for
 
 # completions, samples, deadline= -> (rewards, summary): apmpo.rewards.RewardPool.score with the reward bound;
@@ -53,11 +53,6 @@ class PromptSampler:
         return {"epoch": self.epoch, "position": self.position}
 
 
-@dataclass
-class StepRollouts:
-    rollouts: list[Rollout]  # what the learner trains on, advantages filled in
-    rewards: torch.Tensor  # [groups, G] rewards of the trained groups: input of adaptive_params
-    metrics: dict[str, float]
 
 
 def overlong_penalty(length: int, cfg: RolloutConfig) -> float:
@@ -69,15 +64,16 @@ def overlong_penalty(length: int, cfg: RolloutConfig) -> float:
 
 
 def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]], samples: list[dict],
-                     score: ScoreFn, cfg: RolloutConfig, seed: int, loss: LossConfig, times: dict,
-                     vision: VisionInputs | None = None) -> StepRollouts:
-    """Generates and scores until the batch is full; adds the seconds spent to times["generate"|"reward"].
+                     score: ScoreFn, cfg: RolloutConfig, loss: LossConfig, *, run_seed: int, step: int,
+                     stop_token_ids: list[int], vision: VisionInputs | None = None) -> StepRollouts:
+    """Generates and scores until the batch is full; the seconds spent go to .times ("generate", "reward").
+    Engine seeds come from apmpo.seeding (run seed, step, round): no two requests of a run share one, and
+    evaluation draws from another range. Generation stops at `stop_token_ids`, as in evaluation.
     Scoring takes at most `cfg.reward_step_timeout_s` over all rounds; raises RuntimeError when more than
     MAX_FAILED_FRAC of the step's rewards failed. With `vision`, prompts' images go to the engine, and each
     rollout carries its prompt with expanded image pads and its images' model inputs (Rollout.mm)."""
     B, G = cfg.prompts_per_step, cfg.group_size
-    times.setdefault("generate", 0.0)
-    times.setdefault("reward", 0.0)
+    times = {"generate": 0.0, "reward": 0.0}
     kept: list[list[Rollout]] = []
     raw_rewards, lengths, truncated, rounds, failures, first_error, reward_s = [], [], 0, 0, 0, None, 0.0
     last_round: list[list[Rollout]] = []
@@ -87,7 +83,8 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         images = [vision.image_bytes(samples[i]) for i in chosen] if vision else None
         outputs = client.generate([prompt_ids[i] for i in chosen], n=G, temperature=cfg.temperature,
                                   top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
-                                  seed=seed * 1000 + rounds, images=images)
+                                  seed=seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G),
+                                  stop_token_ids=stop_token_ids, images=images)
         flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
         times["generate"] += time.perf_counter() - tick
         tick = time.perf_counter()
@@ -140,4 +137,4 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         "rollout/trained_sequences": len(rollouts),
         "rollout/informative_groups_frac": (advantages.abs().sum(1) > 0).float().mean().item(),
     }
-    return StepRollouts(rollouts, rewards, metrics)
+    return StepRollouts(rollouts, rewards, metrics, times)
