@@ -210,8 +210,7 @@ class Config:
             raise ConfigError(f"train.zero_stage must be 0, 1 or 2, got {t.zero_stage}")
         if r.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: group advantages need at least two samples")
-        if not 0.0 <= r.temperature < math.inf:
-            raise ConfigError(f"rollout.temperature must be >= 0 (0 = greedy), got {r.temperature}")
+        check_temperature("rollout.temperature", r.temperature)
         if not 0.0 < r.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p must lie in (0, 1], got {r.top_p}")
         if r.top_k < -1 or r.top_k == 0:
@@ -237,6 +236,13 @@ class Config:
                           "mini_batches_per_rollout": self.mini_batches_per_rollout,
                           "total_optimizer_steps": self.total_optimizer_steps}
         return out
+
+
+def check_temperature(key: str, value: float) -> None:
+    """As the generation server accepts it: vLLM raises a temperature in (0, 0.01) to 0.01 (its log-probs would
+    then not be the learner's) and refuses one above 2."""
+    if not (value == 0.0 or 0.01 <= value <= 2.0):
+        raise ConfigError(f"{key} must be 0 (greedy) or lie in [0.01, 2], got {value}")
 
 
 # A hub id is "org/name"; anything else that is not a built-in name must exist on this machine.
@@ -294,7 +300,6 @@ def _check_eval(cfg: Config) -> None:
         return
     checks = [(bool(e.benchmarks.strip()), "eval.benchmarks is empty"), (e.n >= 1, f"eval.n must be >= 1, got {e.n}"),
               (e.k is None or 1 <= e.k <= e.n, f"eval.k must lie in [1, eval.n={e.n}], got {e.k}"),
-              (0.0 <= e.temperature < math.inf, f"eval.temperature must be >= 0, got {e.temperature}"),
               (0.0 < e.top_p <= 1.0, f"eval.top_p must lie in (0, 1], got {e.top_p}"),
               (e.limit is None or e.limit >= 1, f"eval.limit must be >= 1, got {e.limit}"),
               (0 < e.max_tokens < cfg.rollout.max_model_len,
@@ -302,6 +307,7 @@ def _check_eval(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    check_temperature("eval.temperature", e.temperature)
     from apmpo.eval.run import EvalError, benchmark_names  # noqa: PLC0415  (light: apmpo.data, no torch)
 
     try:

@@ -129,8 +129,10 @@ def test_paper_recipe():
 @pytest.mark.parametrize("override, message", [
     ("optim.lr=0", r"optim.lr must be > 0, got 0.0"),
     ("optim.lr=-1e-6", r"optim.lr must be > 0"),
-    ("rollout.temperature=-0.1", r"rollout.temperature must be >= 0"),
-    ("rollout.temperature=.inf", r"rollout.temperature must be >= 0"),
+    ("rollout.temperature=-0.1", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\], got -0.1"),
+    ("rollout.temperature=.inf", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
+    ("rollout.temperature=0.005", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
+    ("rollout.temperature=2.5", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
     ("rollout.top_p=0", r"rollout.top_p must lie in \(0, 1\], got 0.0"),
     ("rollout.top_p=1.5", r"rollout.top_p must lie in \(0, 1\]"),
     ("rollout.top_p=.nan", r"rollout.top_p must lie in \(0, 1\]"),
