@@ -1,0 +1,50 @@
+"""Broken rewards in a real run (`python launch/train.py` on the quickstart, real server and DeepSpeed): a reward
+that returns NaN now and then is scored 0 and counted while training goes on; one that kills its worker on every
+completion stops the run at the first step with the error named, instead of training on zeros."""
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from train_runs import ROOT, metrics, run, train_command
+
+TESTS = Path(__file__).resolve().parent
+# The custom rewards live in tests/failing_rewards.py, named as a user names theirs: pkg.module:function.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
+def quickstart(out_dir: Path, reward: str, *overrides: str) -> list[str]:
+    return train_command("configs/quickstart.yaml", f"logging.output_dir={out_dir}", f"data.reward={reward}",
+                         "train.steps=2", *overrides)
+
+
+@pytest.mark.slow
+def test_nan_rewards_are_failures_and_training_goes_on(tmp_path):
+    """Before: reward/mean, loss/policy and optim/grad_norm were null every step, reward/failures 0, no warning,
+    and the saved weights equalled the starting model."""
+    done = run(quickstart(tmp_path, "failing_rewards:nan_every_20th", "checkpoint.save_every=2"), env=ENV)
+    records = metrics(tmp_path / "quickstart")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        for key in ("reward/mean", "loss/policy", "optim/grad_norm"):
+            assert r[key] is not None and math.isfinite(r[key]), (key, r)
+    failures = sum(r["reward/failures"] for r in records)
+    assert 0 < failures < 2 * 128 / 2, failures
+    assert done.stderr.count("the reward returned nan, not a finite number") == 1  # logged once
+    start = load_file(tmp_path / "quickstart/model/model.safetensors")
+    trained = load_file(tmp_path / "quickstart/checkpoints/step_2/hf/model.safetensors")
+    assert any(not start[name].equal(trained[name]) for name in start)
+
+
+@pytest.mark.slow
+def test_a_reward_that_always_crashes_stops_the_run(tmp_path):
+    command = quickstart(tmp_path, "failing_rewards:always_exit", "rollout.reward_timeout_s=5")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert ("RuntimeError: reward scoring failed for 128 of 128 completions this step (errors, crashes, time-outs "
+            "past rollout.reward_timeout_s or rollout.reward_step_timeout_s); the first: worker exited with code 3. "
+            "The reward function looks broken") in done.stderr, done.stderr[-3000:]
+    assert metrics(tmp_path / "quickstart") == []  # no step was trained
