@@ -75,7 +75,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     B, G = cfg.prompts_per_step, cfg.group_size
     times = {"generate": 0.0, "reward": 0.0}
     kept: list[list[Rollout]] = []
-    raw_rewards, lengths, truncated, rounds, failures, first_error, reward_s = [], [], 0, 0, 0, None, 0.0
+    raw_rewards, lengths, truncated, rounds, failures, first_error = [], [], 0, 0, 0, None
     last_round: list[list[Rollout]] = []
     while len(kept) < B and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         chosen = sampler.take(B)
@@ -89,8 +89,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         times["generate"] += time.perf_counter() - tick
         tick = time.perf_counter()
         rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat],
-                                 deadline=time.monotonic() + cfg.reward_step_timeout_s - reward_s)
-        reward_s += time.perf_counter() - tick
+                                 deadline=time.monotonic() + cfg.reward_step_timeout_s - times["reward"])
         times["reward"] += time.perf_counter() - tick
         raw_rewards += rewards
         failures += summary["failures"]
