@@ -4,7 +4,7 @@ import pytest
 
 from apmpo.data import SPIDER_DB_ROOT
 from apmpo.rewards import math_reward, sql_reward
-from apmpo.rewards.maths import MAX_FINAL_BOXES, extract_math_answer, final_boxes
+from apmpo.data.answers import MAX_FINAL_BOXES, extract_math_answer, final_boxes
 from apmpo.rewards.sql import spider_normalize
 
 CONCERT = str(SPIDER_DB_ROOT / "concert_singer" / "concert_singer.sqlite")

@@ -13,7 +13,7 @@ import pytest
 
 from apmpo.data import SPIDER_DB_ROOT, load_records
 from apmpo.rewards import RewardPool, choice_reward, get_reward, math_reward, score_batch, sql_reward
-from apmpo.rewards.maths import extract_math_answer, last_boxed
+from apmpo.data.answers import extract_math_answer, last_boxed
 from apmpo.rewards.sql import QueryError, execute_readonly, execution_match, remove_distinct, spider_results_equal
 
 CONCERT = str(SPIDER_DB_ROOT / "concert_singer" / "concert_singer.sqlite")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from apmpo.rewards.maths import gold_to_text, last_boxed
+from apmpo.data.answers import CHOICE_LETTERS, gold_to_text, last_boxed
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def user_content(record: dict) -> str:
         parts.append(f"Question: {record['question']}")
         return "\n\n".join(parts)
     if record["task"] == "choice":
-        options = "\n".join(f"{letter}. {text}" for letter, text in zip("ABCDEFGHIJ", record["choices"]))
+        options = "\n".join(f"{letter}. {text}" for letter, text in zip(CHOICE_LETTERS, record["choices"]))
         return f"{record['question']}\n\nChoices:\n{options}"
     return record["question"]
 

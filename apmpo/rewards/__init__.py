@@ -4,7 +4,7 @@
 
 | name     | reads from `sample`                               | rule                                      |
 |----------|---------------------------------------------------|-------------------------------------------|
-| "math"   | `answer` (str or number)                          | last \\boxed{} vs gold, math-verify       |
+| "math"   | `answer` (str or number)                          | final \\boxed{} answer(s) vs gold, math-verify |
 | "sql"    | `answer` (gold SQL), `db_path`, `metric`          | execution accuracy, Spider or BIRD rule   |
 | "choice" | `answer` (letter, index or text), `choices`       | picked option vs gold option              |
 | "quickstart" | `answer` (a few digits)                       | first character is one of them (CPU quickstart) |

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import re
 
-from apmpo.rewards.maths import extract_math_answer
-
-LETTERS = "ABCDEFGHIJ"
+from apmpo.data.answers import CHOICE_LETTERS as LETTERS, extract_math_answer
 
 
 def _normalise(text: str) -> str:
