@@ -24,6 +24,7 @@ import yaml
 
 from apmpo import seeding
 from apmpo.loss import POLICY_LOSSES, LossConfig
+from apmpo.rollout.weight_sync import Transport
 
 
 class ConfigError(ValueError):
@@ -63,11 +64,15 @@ class RolloutConfig:
     top_k: int = -1
     max_tokens: int = 1024
     url: str | None = None  # use a running generation server instead of starting one
-    devices: str | None = None  # CUDA_VISIBLE_DEVICES of the server it starts, e.g. "3"; None: CPU or shared GPU
+    urls: list[str] | None = None  # several running servers (other nodes too): the prompts are spread over them
+    num_servers: int = 1  # servers to start; each step's prompts are spread over them, weights pushed to all
+    # CUDA_VISIBLE_DEVICES of the servers it starts, one group per server separated by ";": "3" (one server on
+    # GPU 3), "4;5;6;7" (four one-GPU servers), "4,5;6,7" (two servers with TP 2). None: CPU or shared GPU
+    devices: str | None = None
     gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int | None = None  # per server; None: the size of its device group (1 without devices)
     max_model_len: int = 4096
-    weight_sync: Literal["auto", "gloo", "shm", "nccl", "cuda_ipc"] = "auto"
+    weight_sync: Literal["auto", Transport] = "auto"  # auto: apmpo.rollout.weight_sync.select_transport
     bucket_mb: int = 256  # weight-sync bucket size
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups, sample more until the batch is full
     max_sampling_rounds: int = 4  # cap on dynamic-sampling rounds per step
@@ -221,6 +226,7 @@ class Config:
                 f"> rollout.max_model_len ({r.max_model_len}): the longest prompts could not be completed; lower "
                 "one of the first two or raise the third")
         _check_correction(self)
+        _check_servers(self)
         layout_error = seeding.check_training(t.seed, t.steps, r.max_sampling_rounds if r.dynamic_sampling else 1,
                                               self.samples_per_step)
         if layout_error:
@@ -272,6 +278,38 @@ def _check_sources(cfg: Config) -> None:
             raise ConfigError(f"eval.benchmarks: {error}") from None
         if cfg.eval.reward is not None:
             _check_reward(cfg.eval.reward, "eval.reward")
+
+
+def _check_servers(cfg: Config) -> None:
+    r = cfg.rollout
+    if r.num_servers < 1:
+        raise ConfigError(f"rollout.num_servers must be >= 1, got {r.num_servers}")
+    if r.tensor_parallel_size is not None and r.tensor_parallel_size < 1:
+        raise ConfigError(f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}")
+    if r.urls is not None:
+        if r.url is not None:
+            raise ConfigError("rollout.url and rollout.urls are both set: list every server in rollout.urls")
+        bad = [u for u in r.urls if not re.match(r"^https?://[^/\s]+", u)]
+        if not r.urls or bad or len(set(r.urls)) < len(r.urls):
+            raise ConfigError(f"rollout.urls must list distinct http(s)://host:port URLs, got {r.urls}")
+        if r.num_servers not in (1, len(r.urls)):
+            raise ConfigError(f"rollout.num_servers ({r.num_servers}) is for servers the run starts; rollout.urls "
+                              f"names {len(r.urls)} running ones")
+    if r.devices is None:
+        return
+    from apmpo.rollout.launcher import device_groups  # noqa: PLC0415
+
+    try:
+        groups = device_groups(r.devices)
+    except ValueError as error:
+        raise ConfigError(f"rollout.devices: {error}") from None
+    if r.num_servers != len(groups):
+        raise ConfigError(f"rollout.devices={r.devices!r} has {len(groups)} device group(s) (one per server, "
+                          f"separated by ';'), but rollout.num_servers is {r.num_servers}")
+    sizes = {len(group.split(",")) for group in groups}
+    if r.tensor_parallel_size is not None and sizes != {r.tensor_parallel_size}:
+        raise ConfigError(f"rollout.tensor_parallel_size ({r.tensor_parallel_size}) must equal the GPUs of each "
+                          f"server's group in rollout.devices={r.devices!r}, or be left unset")
 
 
 def _check_correction(cfg: Config) -> None:
@@ -439,6 +477,10 @@ def _check_type(value: Any, hint: Any, key: str, source: str) -> Any:
         if not ok or isinstance(value, bool):
             raise ConfigError(f"{source}: {key} expects {hint.__name__}, got {type(value).__name__} {value!r}")
         return hint(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} expects a list, got {type(value).__name__} {value!r}")
+        return [_check_type(item, args[0], f"{key}[{i}]", source) for i, item in enumerate(value)]
     if hint is str:
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value)  # YAML reads `devices: 3` as a number
