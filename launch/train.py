@@ -72,14 +72,15 @@ def main(cfg: Config, resume: str) -> None:
             print(f"[apmpo] run {run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
             r = cfg.rollout
+            # One server (a GenerationClient), or several (a ServerPool: prompts spread over them, weights to all).
             server = stack.enter_context(serve(
-                model_path, url=r.url, log_path=run_dir / "server.log", devices=r.devices,
-                gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
-                max_model_len=r.max_model_len, dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32",
-                seed=cfg.train.seed))
+                model_path, url=r.url, urls=r.urls, log_path=run_dir / "server.log", devices=r.devices,
+                num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
+                dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed))
             client = stack.enter_context(server.client(transport=None if r.weight_sync == "auto" else r.weight_sync,
                                                        bucket_bytes=r.bucket_mb << 20))
-            if start_step > 0 or r.url is not None:  # the server must generate with the weights we train
+            if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
                 client.push_weights(engine.module.named_parameters())
             logger = stack.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
 

@@ -142,3 +142,29 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32(tmp_path):
         worst_bf16 = max(worst_bf16, float((bf16_sum.double() - exact).abs().max() / scale))
     assert worst_engine < 1e-5, worst_engine  # fp32 rounding only
     assert worst_bf16 > 1e-3, worst_bf16  # the tolerance tells the two apart (this test fails without the fix)
+
+
+@pytest.mark.parametrize("devices, servers, env, ok", [
+    ("4;5;6;7", 4, {"LOCAL_SIZE": "4"}, True),  # 8 GPUs: 4 learners, 4 one-GPU servers
+    ("4,5;6,7", 2, {"LOCAL_SIZE": "4"}, True),  # 2 servers with TP 2
+    ("3,4;5,6", 2, {"LOCAL_SIZE": "4"}, False),  # GPU 3 is rank 3's
+    ("5;3", 2, {"LOCAL_SIZE": "4"}, False),  # the second server's GPU is a learner's
+    ("0;1", 2, {"LOCAL_SIZE": "1"}, False),  # sharing rank 0's GPU is for a single server only
+    ("0,1", 1, {"LOCAL_SIZE": "1"}, False),  # one server, but on more than rank 0's GPU
+    ("6;7", 2, {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_WORLD_SIZE": "2"}, True),  # physical ids
+    ("6;5", 2, {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_WORLD_SIZE": "2"}, False),
+])
+def test_every_server_group_is_disjoint_from_the_learners(devices, servers, env, ok):
+    cfg = load_config(None, [f"rollout.devices={devices!r}", f"rollout.num_servers={servers}"])
+    if ok:
+        check_devices(cfg, env=env, gpu_count=8)
+    else:
+        with pytest.raises(ConfigError, match=rf"rollout.devices='{devices}' overlaps the learner's GPUs"):
+            check_devices(cfg, env=env, gpu_count=8)
+
+
+def test_several_servers_on_a_gpu_machine_need_device_groups():
+    cfg = load_config(None, ["rollout.num_servers=2"])
+    with pytest.raises(ConfigError, match="rollout.num_servers=2 on a GPU machine needs rollout.devices"):
+        check_devices(cfg, env={"LOCAL_SIZE": "4"}, gpu_count=8)
+    check_devices(cfg, env={}, gpu_count=0)  # CPU: two CPU servers

@@ -60,11 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--db-root", help="folder with <db_id>/<db_id>.sqlite for BIRD and local SQL files")
     d.add_argument("--split", default="test", help="split of a hub dataset")
     s = p.add_argument_group("generation server")
-    s.add_argument("--server", default=None, help="URL of a running server (else one is started on --model)")
+    s.add_argument("--server", action="append", default=None,
+                   help="URL of a running server (else one is started on --model); repeat it for several servers, "
+                        "the problems are then spread over them")
     s.add_argument("--server-token", default=os.environ.get("APMPO_SERVER_TOKEN"),
                    help="its bearer token (default $APMPO_SERVER_TOKEN)")
     s.add_argument("--server-timeout", type=float, default=60.0, help="seconds to wait for --server to be ready")
-    s.add_argument("--devices", default=None, help="GPUs of a started server, e.g. 0,1 (tensor parallel)")
+    s.add_argument("--devices", default=None, help="GPUs of a started server, e.g. 0,1 (tensor parallel); "
+                   "one group per server separated by ';' for several, e.g. 0;1;2;3 or 0,1;2,3")
+    s.add_argument("--num-servers", type=int, default=1, help="servers to start (CPU; with --devices: its groups)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--dtype", default="auto")
@@ -95,11 +99,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               (all(1 <= k <= args.n for k in ks), f"every --k must lie in [1, n={args.n}]"),
               (args.temperature >= 0, "--temperature must be >= 0"), (0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
               (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
-              (args.diversity_n >= 2, "--diversity-n must be >= 2"), (args.batch_prompts >= 1, "--batch-prompts >= 1")]
+              (args.diversity_n >= 2, "--diversity-n must be >= 2"), (args.batch_prompts >= 1, "--batch-prompts >= 1"),
+              (args.num_servers >= 1, "--num-servers must be >= 1"),
+              (args.server is None or args.num_servers == 1, "--num-servers starts servers: not with --server")]
     for ok, message in checks:
         if not ok:
             p.error(message)
     args.k = sorted(set(ks))
+    if args.devices is not None and args.server is None:
+        from apmpo.rollout.launcher import device_groups  # noqa: PLC0415
+
+        try:
+            groups = device_groups(args.devices)
+        except ValueError as error:
+            p.error(f"--devices: {error}")
+        if args.num_servers not in (1, len(groups)):
+            p.error(f"--devices names {len(groups)} server(s) but --num-servers is {args.num_servers}")
     return args
 
 
@@ -203,11 +218,14 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_tokens, stop_token_ids(model, tokenizer))
     start_kwargs = ({"ready_timeout_s": args.server_timeout} if args.server else
                     {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,
-                     "max_model_len": args.max_model_len, "dtype": args.dtype})
-    log(f"connecting to {args.server}" if args.server else
-        f"starting a generation server on {model} (log: {args.out / 'server.log'})")
+                     "max_model_len": args.max_model_len, "dtype": args.dtype, "num_servers": args.num_servers})
+    log(f"connecting to {', '.join(args.server)}" if args.server else
+        f"starting generation server(s) on {model} (log: {args.out / 'server.log'})")
     tick = time.monotonic()
-    with serve(model, url=args.server, token=args.server_token, log_path=args.out / "server.log",
+    # Several servers: a ServerPool spreads each request over them; the samples are those of one server.
+    one = args.server[0] if args.server and len(args.server) == 1 else None
+    servers = {"url": one} if one else {"urls": args.server}
+    with serve(model, token=args.server_token, log_path=args.out / "server.log", **servers,
                **start_kwargs) as server, server.client() as client, \
             RewardPool(args.reward_workers, args.reward_timeout_s) as pool:
         info = client.info()
@@ -234,7 +252,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
             log(f"warning: {failures} completions could not be scored (error or timeout) and count as wrong, "
                 "as in training")
         log(f"generated and scored {generated} samples in {time.monotonic() - tick:.0f} s")
-        return {"url": args.server, "model": info["model"], "weight_version": info["weight_version"],
+        return {"url": one or args.server, "model": info["model"], "weight_version": info["weight_version"],
                 "stop_token_ids": list(sampling.stop_token_ids)}
 
 

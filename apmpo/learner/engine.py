@@ -62,32 +62,38 @@ def init_distributed(timeout_s: float = 7200.0) -> Dist:
 
 def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int | None = None) -> None:
     """Before anything starts: a config that names server GPUs needs a learner that sees CUDA (else it would
-    quietly train on the CPU), and the server's GPUs must not overlap the learner's, except the one shared-GPU
-    set-up (the server on exactly rank 0's GPU, weights over CUDA IPC). Device ids are physical, as in
-    CUDA_VISIBLE_DEVICES. Raises ConfigError naming rollout.devices."""
-    devices = cfg.rollout.devices
-    if devices is None:
-        return
+    quietly train on the CPU), and every server's GPUs must not overlap the learner's, except the one shared-GPU
+    set-up (a single server on exactly rank 0's GPU, weights over CUDA IPC). Several servers on a GPU machine need
+    GPUs named for each. Device ids are physical, as in CUDA_VISIBLE_DEVICES. Raises ConfigError naming
+    rollout.devices."""
+    from apmpo.rollout.launcher import device_groups
+
+    devices, num_servers = cfg.rollout.devices, cfg.rollout.num_servers
     gpu_count = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if devices is None:
+        if num_servers > 1 and gpu_count > 0 and cfg.rollout.url is None and cfg.rollout.urls is None:
+            raise ConfigError(f"rollout.num_servers={num_servers} on a GPU machine needs rollout.devices, one group "
+                              "of GPUs per server (e.g. \"4;5;6;7\"): without it every server would take GPU 0")
+        return
     if gpu_count == 0:
         raise ConfigError(
             f"rollout.devices={devices!r} names GPUs, but this learner sees no CUDA device (torch {torch.__version__}, "
             f"built for CUDA {torch.version.cuda}): it would train on the CPU. Check the driver and the torch build "
             "(bash scripts/install.sh checks both), or set rollout.devices: null to run everything on the CPU.")
-    server = [d.strip() for d in devices.split(",") if d.strip()]
+    groups = [group.split(",") for group in device_groups(devices)]  # valid: checked at load
     visible = env.get("CUDA_VISIBLE_DEVICES")
     visible = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(gpu_count)]
     local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1)
     learner = visible[:local_ranks]
-    shared = [d for d in server if d in learner]
+    shared = [d for group in groups for d in group if d in learner]
     if not shared:
         return
-    if server == learner[:1] and cfg.rollout.weight_sync in ("auto", "cuda_ipc"):
-        return  # one GPU shared with rank 0: cuda_ipc (gpu_memory_utilization must leave room for training)
+    if groups == [learner[:1]] and cfg.rollout.weight_sync in ("auto", "cuda_ipc"):
+        return  # one server on one GPU shared with rank 0: cuda_ipc (gpu_memory_utilization must leave room)
     raise ConfigError(
         f"rollout.devices={devices!r} overlaps the learner's GPUs {learner} (GPU {', '.join(shared)}): NCCL cannot "
-        "put two ranks of the weight-sync group on one GPU. Give the server GPUs of its own, or share exactly "
-        f"rank 0's GPU (rollout.devices: \"{learner[0]}\", weight_sync auto or cuda_ipc).")
+        "put two ranks of the weight-sync group on one GPU. Give every server GPUs of its own, or share exactly "
+        f"rank 0's GPU with a single server (rollout.devices: \"{learner[0]}\", weight_sync auto or cuda_ipc).")
 
 
 def torch_dtype(cfg: Config) -> torch.dtype:

@@ -5,14 +5,19 @@ Used by the learner and by `python -m apmpo.eval`:
     with serve(model="Qwen/Qwen2.5-1.5B-Instruct", devices="1", log_path="runs/x/server.log") as server:
         client = server.client()                  # a GenerationClient, ready
     with serve(url="http://node2:8000", token=...) as server: ...   # an already running server: not stopped
+    with serve(model, devices="4;5;6;7") as servers:    # several servers (a ServerSet), started together
+        client = servers.client()                       # a ServerPool: prompts spread over them, weights to all
+    with serve(urls=["http://node2:8000", "http://node3:8000"], token=...) as servers: ...
 
 Devices: `devices="1,2"` gives the server those GPUs (CUDA_VISIBLE_DEVICES) and, by default, tensor parallelism
-over them; disjoint from the learner's. To share the learner's GPU, pass that one device and a
-`gpu_memory_utilization` fraction that leaves room for training.
+over them; disjoint from the learner's. Groups separated by ";" are one server each: "4;5;6;7" four servers with
+one GPU, "4,5;6,7" two with TP 2. Without GPUs, `num_servers` CPU servers. To share the learner's GPU, pass that
+one device and a `gpu_memory_utilization` fraction that leaves room for training.
 
-The server runs in its own process group, which `stop` kills as a whole (vLLM spawns engine processes). It is
+Each server runs in its own process group, which `stop` kills as a whole (vLLM spawns engine processes). It is
 stopped by the context manager, by atexit, and, should the parent die without either (SIGKILL, OOM killer),
-by itself: it watches the launching process (APMPO_LAUNCHER_PID) and then kills its whole group.
+by itself: it watches the launching process (APMPO_LAUNCHER_PID) and then kills its whole group. Several servers
+start at once; one that fails to start stops them all.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from typing import Iterator
 
 from apmpo.rollout.client import GenerationClient, ServerUnavailable
 from apmpo.rollout.net import bind_socket, is_loopback
+from apmpo.rollout.pool import ServerPool
 
 
 class ServerStartError(RuntimeError):
@@ -74,84 +80,149 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def start_server(model: str, *, log_path: str | Path, devices: str | None = None, host: str = "127.0.0.1",
-                 port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
-                 tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
-                 seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 900.0) -> ServerProcess:
+class ServerSet:
+    """Several servers serving one model; `client()` is a ServerPool over them."""
+
+    def __init__(self, servers: list[ServerProcess]):
+        self.servers = servers
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    def client(self, **kwargs) -> ServerPool:
+        return ServerPool([server.client(**kwargs) for server in self.servers])
+
+    def stop(self) -> None:
+        for server in self.servers:  # SIGTERM to all first: their engines shut down in parallel
+            with contextlib.suppress(ProcessLookupError):
+                if server.process is not None:
+                    os.killpg(server.process.pid, signal.SIGTERM)
+        for server in self.servers:
+            server.stop()
+
+
+def device_groups(devices: str) -> list[str]:
+    """One CUDA_VISIBLE_DEVICES per server: "4;5;6;7" -> ["4", "5", "6", "7"], "4,5;6,7" -> ["4,5", "6,7"].
+    Raises ValueError on an empty group or id, or a GPU named twice."""
+    groups = [[d.strip() for d in group.split(",")] for group in devices.split(";")]
+    if any(not d for group in groups for d in group):
+        raise ValueError(f"{devices!r} has an empty device group or id (groups: '4;5', a group's GPUs: '4,5')")
+    named = [d for group in groups for d in group]
+    twice = sorted({d for d in named if named.count(d) > 1})
+    if twice:
+        raise ValueError(f"{devices!r} names GPU {', '.join(twice)} twice: each server needs GPUs of its own")
+    return [",".join(group) for group in groups]
+
+
+def start_server(model: str, *, log_path: str | Path, devices: str | None = None, **kwargs) -> ServerProcess:
     """Starts `python -m apmpo.rollout.server` and returns once it is ready (or raises ServerStartError)."""
-    # Bound here and inherited by the server, so that no other process can take the port in between.
+    return start_servers(model, log_paths=[log_path], devices=[devices], **kwargs)[0]
+
+
+def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str | None], host: str = "127.0.0.1",
+                  port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
+                  tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
+                  seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                  ready_timeout_s: float = 900.0) -> list[ServerProcess]:
+    """Starts one server per entry of `devices` (its CUDA_VISIBLE_DEVICES, or None), all at once, and returns once
+    every one is ready; if any fails, stops them all and raises ServerStartError naming it."""
     if token is not None and not token.strip():
         raise ValueError("token is empty: pass None (a loopback server needs none) or a secret")
-    listener = bind_socket(host, port or 0)
-    port = listener.getsockname()[1]
+    if port is not None and len(devices) > 1:
+        raise ValueError("several servers take free ports: pass port=None")
     if token is None and not is_loopback(host):
         token = secrets.token_urlsafe(24)
+    servers: list[ServerProcess] = []
+    try:
+        for log_path, group in zip(log_paths, devices, strict=True):
+            tp = tensor_parallel_size or (len(group.split(",")) if group is not None else 1)
+            servers.append(_launch(model, Path(log_path), group, host, port, token, [
+                "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
+                "--tensor-parallel-size", str(tp), "--seed", str(seed), *extra_args,
+                *(["--max-model-len", str(max_model_len)] if max_model_len is not None else [])], env))
+        _wait_until_ready(servers, ready_timeout_s)
+    except BaseException:  # incl. Ctrl-C during the start
+        ServerSet(servers).stop()
+        raise
+    return servers
+
+
+def _launch(model: str, log_path: Path, devices: str | None, host: str, port: int | None, token: str | None,
+            args: list[str], env: dict[str, str] | None) -> ServerProcess:
+    # Bound here and inherited by the server, so that no other process can take the port in between.
+    listener = bind_socket(host, port or 0)
+    port = listener.getsockname()[1]
     child_env = {**os.environ, **(env or {})}
     if devices is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = devices
-        tensor_parallel_size = tensor_parallel_size or len(devices.split(","))
     if token is not None:
         child_env["APMPO_SERVER_TOKEN"] = token  # not on the command line, where `ps` would show it
     # The server takes its process group (itself and vLLM's engine processes) down once we are gone, even after
     # a SIGKILL of this process (apmpo.rollout.server.follow_launcher).
     child_env["APMPO_LAUNCHER_PID"] = str(os.getpid())
     command = [sys.executable, "-m", "apmpo.rollout.server", "--model", str(model), "--host", host,
-               "--port", str(port), "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
-               "--tensor-parallel-size", str(tensor_parallel_size or 1), "--seed", str(seed),
-               "--fd", str(listener.fileno()), *extra_args]
-    if max_model_len is not None:
-        command += ["--max-model-len", str(max_model_len)]
-    log_path = Path(log_path)
+               "--port", str(port), "--fd", str(listener.fileno()), *args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file, listener:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
                                    start_new_session=True, pass_fds=(listener.fileno(),))
     server = ServerProcess(f"http://{host}:{port}", token, process, log_path)
     atexit.register(server.stop)
-    try:
-        _wait_until_ready(server, ready_timeout_s)
-    except BaseException:  # incl. Ctrl-C during the start
-        server.stop()
-        raise
     return server
 
 
-def _wait_until_ready(server: ServerProcess, timeout_s: float) -> None:
-    client = server.client(retries=0)
+def _wait_until_ready(servers: list[ServerProcess], timeout_s: float) -> None:
+    clients = {server.url: server.client(retries=0) for server in servers}
+    pending = list(servers)
     deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            code = server.process.poll()
-            if code is not None:
-                raise ServerStartError(f"generation server exited with code {code} during start-up; "
-                                       f"log {server.log_path}:\n{server.log_tail()}")
-            try:
-                client.wait_ready(timeout_s=0)
-                return
-            except ServerUnavailable:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerStartError(f"generation server not ready after {timeout_s:.0f} s; "
-                                       f"log {server.log_path}:\n{server.log_tail()}")
-            time.sleep(1.0)
+        while pending:
+            for server in list(pending):
+                code = server.process.poll()
+                if code is not None:
+                    raise ServerStartError(f"generation server {server.url} exited with code {code} during start-up; "
+                                           f"log {server.log_path}:\n{server.log_tail()}")
+                try:
+                    clients[server.url].wait_ready(timeout_s=0)
+                    pending.remove(server)
+                except ServerUnavailable:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise ServerStartError(f"generation server {pending[0].url} not ready after {timeout_s:.0f} s; "
+                                       f"log {pending[0].log_path}:\n{pending[0].log_tail()}")
+            if pending:
+                time.sleep(1.0)
     finally:
-        client.close()
+        for client in clients.values():
+            client.close()
 
 
 @contextlib.contextmanager
-def serve(model: str | None = None, *, url: str | None = None, token: str | None = None,
-          log_path: str | Path = "server.log", **start_kwargs) -> Iterator[ServerProcess]:
-    """Connects to `url` if given (waiting until ready), else starts a server on `model`; stops what it started."""
-    if url is not None:
-        server = ServerProcess(url, token)
-        with server.client() as client:
-            client.wait_ready(timeout_s=start_kwargs.get("ready_timeout_s", 300.0))
+def serve(model: str | None = None, *, url: str | None = None, urls: list[str] | None = None,
+          token: str | None = None, log_path: str | Path = "server.log", devices: str | None = None,
+          num_servers: int = 1, **start_kwargs) -> Iterator[ServerProcess | ServerSet]:
+    """Connects to `url` (or each of `urls`) if given, waiting until ready, else starts servers on `model`: one per
+    device group of `devices`, or `num_servers` without devices. Yields a ServerProcess for one server, a ServerSet
+    for several (their logs: server.0.log, server.1.log, ... beside `log_path`); stops what it started."""
+    urls = urls or ([url] if url is not None else [])
+    if urls:
+        servers = [ServerProcess(u, token) for u in urls]
+        for server in servers:
+            with server.client() as client:
+                client.wait_ready(timeout_s=start_kwargs.get("ready_timeout_s", 300.0))
     elif model is not None:
-        server = start_server(model, log_path=log_path, token=token, **start_kwargs)
+        groups = device_groups(devices) if devices is not None else [None] * num_servers
+        if devices is not None and num_servers not in (1, len(groups)):
+            raise ValueError(f"devices {devices!r} names {len(groups)} server(s), num_servers is {num_servers}")
+        log_path = Path(log_path)
+        logs = [log_path] if len(groups) == 1 else \
+            [log_path.with_name(f"{log_path.stem}.{k}{log_path.suffix}") for k in range(len(groups))]
+        servers = start_servers(model, log_paths=logs, devices=groups, token=token, **start_kwargs)
     else:
         raise ValueError("serve() needs a model to start or the url of a running server")
+    group = servers[0] if len(servers) == 1 else ServerSet(servers)
     try:
-        yield server
+        yield group
     finally:
-        server.stop()
+        group.stop()

@@ -1,0 +1,159 @@
+"""Several generation servers behind the interface of one GenerationClient (data-parallel generation).
+
+    pool = ServerPool([GenerationClient(url) for url in urls])     # or launcher.serve(..., devices="4;5").client()
+    outs = pool.generate(prompts, n=8, seed=s, ...)                  # outs[prompt][sample], in prompt order
+    version = pool.push_weights(model.named_parameters())           # to every server at once, same version
+
+Generation: the prompts are cut into contiguous chunks (all n samples of a prompt stay in one chunk); a thread per
+server takes the next chunk from a shared queue as soon as its server is free, so a slow server takes fewer.
+The server seeds prompt i of a request with `seed + i * n`; a chunk starting at prompt `start` is sent with
+`seed + start * n`, so every prompt gets the seed it would get in one request to one server: the samples do
+not depend on which server drew them, nor on how many there are.
+
+Weights: each server keeps its own weight group (transport as for one server: shm or gloo on CPU, NCCL or CUDA
+IPC on GPU), and the pushes run in parallel, a thread per server. A push that fails on any server, or servers
+that then report different weight versions (one was restarted), raise ServerError naming the servers.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable
+
+import torch
+
+from apmpo.rollout.client import GenerationClient, Sample, ServerError, ServerUnavailable
+
+CHUNKS_PER_SERVER = 4  # enough for a free server to take over from a slow one, few enough to keep batches large
+# What every server of a pool must agree on: prompts are encoded once, for one model.
+SAME_ON_ALL = ("model", "max_model_len", "vocab_size", "dtype", "multimodal")
+
+
+class ServerPool:
+    def __init__(self, clients: list[GenerationClient], chunks_per_server: int = CHUNKS_PER_SERVER):
+        if not clients:
+            raise ValueError("ServerPool needs at least one client")
+        self.clients, self.chunks_per_server = clients, chunks_per_server
+        self.last_push: dict[str, Any] = {}  # as GenerationClient's, over the pool: seconds of the whole fan-out
+        self.last_generate: dict[str, int] = {}  # prompts each server served in the last generate
+
+    @property
+    def urls(self) -> list[str]:
+        return [client.url for client in self.clients]
+
+    def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        for client in self.clients:
+            client.wait_ready(timeout_s)
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        """The first server's /info, after checking that all serve the same model at the same weight version."""
+        infos = [client.info() for client in self.clients]
+        for key in (*SAME_ON_ALL, "weight_version"):
+            values = {client.url: info[key] for client, info in zip(self.clients, infos)}
+            if len(set(map(str, values.values()))) > 1:
+                raise ServerError(f"the generation servers disagree on {key}: {values}")
+        return infos[0]
+
+    def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 max_tokens: int = 512, seed: int | None = None, stop_token_ids: list[int] | None = None,
+                 top_k: int = -1, images: list[list[bytes]] | None = None) -> list[list[Sample]]:
+        """As GenerationClient.generate. The first server that fails ends the call with its error (naming its URL);
+        the other servers finish the chunk they hold, and take no more."""
+        size = max(1, math.ceil(len(prompts) / (len(self.clients) * self.chunks_per_server)))
+        starts = list(range(0, len(prompts), size))
+        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for start in starts:
+            todo.put(start)
+        done: queue.SimpleQueue[tuple[GenerationClient, int, Any]] = queue.SimpleQueue()
+        failed = threading.Event()
+
+        def work(client: GenerationClient) -> None:
+            while not failed.is_set():
+                try:
+                    start = todo.get_nowait()
+                except queue.Empty:
+                    return
+                end = start + size
+                try:
+                    out = client.generate(prompts[start:end], n=n, temperature=temperature, top_p=top_p,
+                                          max_tokens=max_tokens, seed=None if seed is None else seed + start * n,
+                                          stop_token_ids=stop_token_ids, top_k=top_k,
+                                          images=None if images is None else images[start:end])
+                except BaseException as error:  # noqa: BLE001 (raised by the caller's thread)
+                    done.put((client, start, error))
+                    return
+                done.put((client, start, out))
+
+        for client in self.clients:
+            threading.Thread(target=work, args=(client,), name=f"generate {client.url}", daemon=True).start()
+        chunks: dict[int, list[list[Sample]]] = {}
+        served = dict.fromkeys(self.urls, 0)
+        while len(chunks) < len(starts):
+            client, start, out = done.get()
+            if isinstance(out, BaseException):
+                failed.set()
+                raise _naming(client.url, out)
+            chunks[start] = out
+            served[client.url] += len(out)
+        self.last_generate = served
+        return [row for start in starts for row in chunks[start]]
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Pushes to every server in parallel; returns the weight version, the same on all."""
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]  # read by every thread
+        start = time.perf_counter()
+        futures = [_in_thread(client.push_weights, named) for client in self.clients]
+        versions, errors = {}, []
+        for client, future in zip(self.clients, futures):
+            try:
+                versions[client.url] = future.result()
+            except Exception as error:  # noqa: BLE001 (all failures are reported together)
+                errors.append(_naming(client.url, error))
+        if errors:
+            raise ServerError(f"weight push failed on {len(errors)} of {len(self.clients)} generation servers: "
+                              + "; ".join(map(str, errors))) from errors[0]
+        if len(set(versions.values())) > 1:
+            raise ServerError(f"the generation servers report different weight versions after the push: {versions} "
+                              "(one was restarted, or pushed by another learner): restart them together")
+        pushes = [client.last_push for client in self.clients]
+        slowest = max(pushes, key=lambda push: push["reload_s"])
+        self.last_push = {"transport": ",".join(sorted({p["transport"] for p in pushes})), "bytes": pushes[0]["bytes"],
+                          "seconds": time.perf_counter() - start, "reload_s": slowest["reload_s"],
+                          "wait_s": slowest["wait_s"], "servers": pushes}
+        return next(iter(versions.values()))
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    def __enter__(self) -> ServerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _naming(url: str, error: BaseException) -> BaseException:
+    """The error itself when its message already names the server (the client's do), else a ServerError that does."""
+    if isinstance(error, (ServerError, ServerUnavailable)) and url in str(error):
+        return error
+    wrapped = ServerError(f"generation server {url}: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 (the Future carries it)
+            future.set_exception(error)
+
+    threading.Thread(target=target, name=getattr(fn, "__name__", "push"), daemon=True).start()
+    return future
