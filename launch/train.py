@@ -74,7 +74,8 @@ def main(cfg: Config, resume: str) -> None:
             r = cfg.rollout
             # One server (a GenerationClient), or several (a ServerPool: prompts spread over them, weights to all).
             server = stack.enter_context(serve(
-                model_path, url=r.url, urls=r.urls, log_path=run_dir / "server.log", devices=r.devices,
+                model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
+                log_path=run_dir / "server.log", devices=r.devices,
                 num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
                 dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed))
