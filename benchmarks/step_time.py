@@ -17,6 +17,8 @@ here. It runs with the threads apmpo's learner takes (apmpo.learner.engine: core
 
 Each figure is the median s/step after `--warmup` steps; apmpo's phase split comes from its metrics.jsonl
 (time/*), its start-up is the run's wall time less its steps. Runs alternate apmpo / baseline per setting.
+Cost on 2 cores: the quickstart model takes seconds a step; the 4x512 one minutes (one apmpo step at 64 tokens
+measured 305 s under a load of ~12), so pass `--sizes quickstart` on a small machine.
 """
 from __future__ import annotations
 
