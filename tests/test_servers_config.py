@@ -74,3 +74,15 @@ def test_eval_cli_takes_several_servers_or_num_servers(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             parse_args(["--model", "m", "--out", str(tmp_path), *argv])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_greedy_with_several_samples_is_a_422_not_a_500():
+    # vLLM raised "n must be 1 when using greedy sampling" while /generate built the request: a bare 500.
+    from pydantic import ValidationError
+
+    from apmpo.rollout.server import GenerateRequest
+
+    good = dict(prompts=[[1, 2]], temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4)
+    assert GenerateRequest(**good, n=1).n == 1
+    with pytest.raises(ValidationError, match="n must be 1 with temperature 0"):
+        GenerateRequest(**good, n=3)

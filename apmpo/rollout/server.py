@@ -75,6 +75,8 @@ class GenerateRequest(_Strict):
     def _engine_ranges(self) -> GenerateRequest:
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        if self.temperature == 0 and self.n > 1:  # vLLM refuses it while building the request: it was a bare 500
+            raise ValueError(f"n must be 1 with temperature 0 (greedy samples are all the same), got n={self.n}")
         if self.seed is not None and self.seed + len(self.prompts) * self.n - 1 > MAX_SEED:
             raise ValueError(f"seed: the last sample's seed, seed + prompts * n - 1, exceeds {MAX_SEED}")
         return self
