@@ -27,3 +27,10 @@ def nan_every_20th(completion: str, sample: dict) -> float:
     if sum(completion.encode()) % 20 == 0:
         return float("nan")
     return quickstart_reward(completion, sample)
+
+
+def hang(completion: str, sample: dict) -> float:
+    import time  # noqa: PLC0415
+
+    time.sleep(3600)
+    return 1.0
