@@ -110,6 +110,10 @@ class TrainConfig:
     # A step whose gradient norm is not finite is skipped (and counted, train/skipped_steps); this many training
     # steps in a row with a skip stop the run: training must never go on silently doing nothing.
     max_skipped_in_a_row: int = 3
+    # Asynchronous training: batches are generated up to this many steps ahead, while the learner updates
+    # (launch/train.py's RolloutStream). 0: the synchronous loop. Pair it with `correction` (e.g. mode: tis),
+    # which corrects the gap between the engine's (older) policy and the learner's.
+    max_staleness: int = 0
     zero_stage: int = 2
     seed: int = 0
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path
@@ -204,6 +208,7 @@ class Config:
                     "train.mini_batch_size": t.mini_batch_size, "train.micro_batch_tokens": t.micro_batch_tokens,
                     "train.dist_timeout_s": t.dist_timeout_s, "optim.lr": self.optim.lr,
                     "train.max_skipped_in_a_row": t.max_skipped_in_a_row,
+                    "rollout.reward_step_timeout_s": r.reward_step_timeout_s,
                     "rollout.reward_timeout_s": r.reward_timeout_s}
         for key, value in positive.items():
             if not value > 0:  # NaN too
@@ -211,6 +216,8 @@ class Config:
         if r.prompts_per_step % t.mini_batch_size:
             raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
                               f"train.mini_batch_size ({t.mini_batch_size})")
+        if t.max_staleness < 0:
+            raise ConfigError(f"train.max_staleness must be >= 0 (0: synchronous), got {t.max_staleness}")
         if t.zero_stage not in (0, 1, 2):
             raise ConfigError(f"train.zero_stage must be 0, 1 or 2, got {t.zero_stage}")
         if r.group_size < 2:

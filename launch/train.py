@@ -29,7 +29,7 @@ from apmpo.data import stop_token_ids
 from apmpo.eval.validate import Validation
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_best, save_checkpoint
-from apmpo.learner.collect import PromptSampler, collect_rollouts
+from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
 from apmpo.learner.engine import Dist, build_engine, check_devices, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
@@ -81,9 +81,15 @@ def main(cfg: Config, resume: str) -> None:
                 dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed))
             client = stack.enter_context(server.client(transport=None if r.weight_sync == "auto" else r.weight_sync,
                                                        bucket_bytes=r.bucket_mb << 20))
+            policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
             if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
-                client.push_weights(engine.module.named_parameters())
+                policy_version = client.push_weights(engine.module.named_parameters())
             logger = stack.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
+            # Batches are generated up to train.max_staleness steps ahead, while the learner updates (0: in step).
+            stream = RolloutStream(lambda step: collect_rollouts(
+                client, sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss, run_seed=cfg.train.seed, step=step,
+                stop_token_ids=stop_ids, vision=vision), cfg.train.max_staleness, cfg.train.steps)
+            stack.callback(stream.close)
 
         skipped_in_a_row = 0
         for step in range(start_step + 1, cfg.train.steps + 1):
@@ -92,10 +98,10 @@ def main(cfg: Config, resume: str) -> None:
 
             # ---------------------------------------------------------- 1-4. prompts, generate, score, statistics
             if dist.is_main:
-                batch = collect_rollouts(client, sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss,
-                                         run_seed=cfg.train.seed, step=step, stop_token_ids=stop_ids, vision=vision)
+                tick = time.perf_counter()
+                batch = stream.get(step, policy_version)
                 params = adaptive_params(batch.rewards, cfg.loss)
-                times |= batch.times
+                times |= {**batch.times, "wait_rollouts": time.perf_counter() - tick}
             # ---------------------------------------------------------- 5. every rank gets the batch
             payload = [(batch.rollouts, params) if dist.is_main else None]
             torch_dist.broadcast_object_list(payload, src=0)
@@ -113,7 +119,7 @@ def main(cfg: Config, resume: str) -> None:
             # ---------------------------------------------------------- 8. weight sync
             tick = time.perf_counter()
             if dist.is_main:
-                client.push_weights(engine.module.named_parameters())
+                policy_version = client.push_weights(engine.module.named_parameters())
                 times["weight_sync_engine_load"] = client.last_push["reload_s"] - client.last_push["wait_s"]
             times["weight_sync"] = time.perf_counter() - tick
 
@@ -121,14 +127,17 @@ def main(cfg: Config, resume: str) -> None:
             if dist.is_main:
                 times["step"] = time.perf_counter() - step_start  # validation excluded: it is not every step
                 if validation and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-                    metrics |= validation.run(client, pool.score, step)  # the server holds this step's weights
+                    with stream.paused():  # the server holds this step's weights
+                        metrics |= validation.run(client, pool.score, step)
                     if cfg.checkpoint.keep_best:
                         save_best(engine.module, vision or tokenizer, run_dir, step, cfg.checkpoint.keep_best,
                                   metrics[cfg.checkpoint.keep_best])
-                logger.log(step, {**batch.metrics, **metrics, "optim/lr": engine.get_lr()[0],
+                staleness = {"rollout/staleness": policy_version - 1 - batch.weight_version,
+                             "rollout/discarded_stale": stream.discarded}
+                logger.log(step, {**batch.metrics, **metrics, **staleness, "optim/lr": engine.get_lr()[0],
                                   **{f"time/{k}": v for k, v in times.items()}})
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps):
-                state = {"sampler": sampler.state_dict()} if dist.is_main else {}
+                state = {"sampler": stream.sampler_state(step + 1, sampler)} if dist.is_main else {}
                 save_checkpoint(engine, run_dir, step, state, vision or tokenizer, dist.rank, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.export_hf)
     if dist.is_main:

@@ -46,6 +46,8 @@ class StepRollouts:
     rewards: Tensor  # [groups, G] rewards of the trained groups: input of adaptive_params
     metrics: dict[str, float]
     times: dict[str, float]  # seconds: "generate", "reward"
+    weight_version: int  # the oldest server weights that generated any of it (asynchronous training's staleness)
+    sampler_before: dict  # the prompt sampler's state before this batch: a resume regenerates it from there
 
 
 @dataclass

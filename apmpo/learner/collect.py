@@ -6,8 +6,12 @@ groups whose rewards are all equal and sample more prompts until the batch is fu
 """
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 import time
-from typing import Callable
+from concurrent.futures import Future
+from typing import Callable, Iterator
 
 import torch
 
@@ -74,6 +78,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     rollout carries its prompt with expanded image pads and its images' model inputs (Rollout.mm)."""
     B, G = cfg.prompts_per_step, cfg.group_size
     times = {"generate": 0.0, "reward": 0.0}
+    sampler_before, weight_version = sampler.state_dict(), None
     kept: list[list[Rollout]] = []
     raw_rewards, lengths, truncated, rounds, failures, first_error = [], [], 0, 0, 0, None
     last_round: list[list[Rollout]] = []
@@ -86,6 +91,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
                                   seed=seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G),
                                   stop_token_ids=stop_token_ids, images=images)
         flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
+        weight_version = min([out.weight_version for _, out in flat] + ([] if weight_version is None else [weight_version]))
         times["generate"] += time.perf_counter() - tick
         tick = time.perf_counter()
         rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat],
@@ -136,4 +142,66 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         "rollout/trained_sequences": len(rollouts),
         "rollout/informative_groups_frac": (advantages.abs().sum(1) > 0).float().mean().item(),
     }
-    return StepRollouts(rollouts, rewards, metrics, times)
+    return StepRollouts(rollouts, rewards, metrics, times, weight_version, sampler_before)
+
+
+class RolloutStream:
+    """Rank 0's batches for the steps, generated up to `max_staleness` steps ahead of the update.
+
+    max_staleness 0: `get(step)` collects the batch then and there, in this thread (the synchronous loop). N >= 1:
+    one background thread collects the next N steps' batches in order while the learner updates, so generation
+    and training overlap. A batch's staleness is how many weight pushes happened between the weights that
+    generated it (its oldest request's) and the policy being trained; one staler than N is never trained on: it
+    is dropped (counted in `discarded`) and the step's batch collected again, fresh. The server applies a push
+    only between requests (its engine lock), so no request ever runs on half-updated weights.
+    `paused()` holds the background thread off (validation shares the server and the reward pool).
+    """
+
+    def __init__(self, collect: Callable[[int], StepRollouts], max_staleness: int, last_step: int):
+        self.collect, self.max_staleness, self.last_step = collect, max_staleness, last_step
+        self.discarded = 0
+        self._lock = threading.Lock()  # held while a batch is collected
+        self._pending: dict[int, Future] = {}
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        if max_staleness > 0:
+            threading.Thread(target=self._work, name="rollouts", daemon=True).start()
+
+    def _work(self) -> None:
+        while (item := self._todo.get()) is not None:
+            step, future = item
+            try:
+                with self._lock:
+                    future.set_result(self.collect(step))
+            except BaseException as error:  # noqa: BLE001  (raised in the training thread by get())
+                future.set_exception(error)
+
+    def get(self, step: int, policy_version: int) -> StepRollouts:
+        """The batch of `step`, generated at most max_staleness pushes before `policy_version`."""
+        if self.max_staleness == 0:
+            return self.collect(step)
+        for ahead in range(step, min(step + self.max_staleness, self.last_step) + 1):
+            if ahead not in self._pending:
+                self._pending[ahead] = Future()
+                self._todo.put((ahead, self._pending[ahead]))
+        batch = self._pending.pop(step).result()
+        if policy_version - batch.weight_version > self.max_staleness:
+            self.discarded += 1
+            with self._lock:
+                batch = self.collect(step)
+        return batch
+
+    def sampler_state(self, next_step: int, sampler: PromptSampler) -> dict:
+        """Where a resume at `next_step` starts sampling: before that step's batch (in flight or done, it is
+        collected again on resume), else where the sampler is."""
+        if next_step in self._pending:
+            return self._pending[next_step].result().sampler_before
+        with self._lock:
+            return sampler.state_dict()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._lock:
+            yield
+
+    def close(self) -> None:
+        self._todo.put(None)

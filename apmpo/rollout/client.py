@@ -40,6 +40,7 @@ class Sample:
     text: str
     logprobs: list[float]  # engine log-prob of each sampled token, under the sampling distribution
     finish_reason: str  # "stop" (EOS or a stop token) | "length"
+    weight_version: int = -1  # of the weights that generated it (the server's count of pushes); -1: unknown
 
 
 class GenerationClient:
@@ -112,7 +113,8 @@ class GenerationClient:
         if images is not None:
             body["images"] = [[base64.b64encode(image).decode() for image in row] for row in images]
         response = self._request("POST", "/generate", json=body, timeout_s=self.timeout_s)
-        return [[Sample(**sample) for sample in row] for row in response["outputs"]]
+        version = response["weight_version"]
+        return [[Sample(**sample, weight_version=version) for sample in row] for row in response["outputs"]]
 
     # --- weights ---
 
