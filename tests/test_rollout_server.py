@@ -7,6 +7,7 @@ one fresh server per perturbed checkpoint as the reference for weight sync.
 import glob
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -205,3 +206,38 @@ def test_server_that_dies_during_start_up_raises_with_its_log(tmp_path):
     with pytest.raises(ServerStartError, match="exited with code") as error:
         start_server(str(tmp_path / "no-such-model"), log_path=tmp_path / "server.log", ready_timeout_s=300)
     assert "no-such-model" in str(error.value) and time.monotonic() - start < 120
+
+
+def test_a_push_during_generation_waits_for_it(tiny_tied, tmp_path_factory):
+    """Asynchronous training pushes while the next batch is generated. The server applies a push between
+    requests (its engine lock), so the request in flight runs entirely on the old weights, and says so."""
+    perturbed = _perturbed(tiny_tied, tmp_path_factory.mktemp("perturbed_async"), seed=2)
+    prompts = (PROMPTS * 100)[:256]
+    server = start_server(str(tiny_tied), log_path=tmp_path_factory.mktemp("logs") / "async.log", token=TOKEN,
+                          dtype="float32", max_model_len=256, ready_timeout_s=300,
+                          extra_args=("--max-prompts", "256", "--max-n", "8", "--max-tokens", "96"))
+    try:
+        with GenerationClient(server.url, token=TOKEN) as client:
+            def sample(some):  # seeded: prompt i's samples depend on the seed and the weights only
+                return client.generate(some, n=8, temperature=1.0, max_tokens=96, seed=7)
+
+            old = [[s.token_ids for s in row] for row in sample(prompts[:3])]
+            finished = {}
+
+            def generate() -> None:  # a few seconds of decoding
+                finished["rows"] = sample(prompts)
+
+            thread = threading.Thread(target=generate)
+            thread.start()
+            time.sleep(0.3)
+            assert thread.is_alive(), "the request finished before the push: make it longer"
+            assert client.push_weights(perturbed.named_parameters()) == 1  # waits until the engine is free
+            thread.join()
+            rows = finished["rows"]
+            assert [[s.token_ids for s in row] for row in rows[:3]] == old  # by the old weights, all of it
+            assert {s.weight_version for row in rows for s in row} == {0}
+            after = sample(prompts[:3])
+            assert {s.weight_version for row in after for s in row} == {1}
+            assert [[s.token_ids for s in row] for row in after] != old
+    finally:
+        server.stop()
