@@ -44,41 +44,45 @@ def main(cfg: Config, resume: str) -> None:
     torch.manual_seed(cfg.train.seed + dist.rank)
     run_dir = cfg.run_dir
 
-    # ------------------------------------------------------------------ model, data, engine
     model_path = prepare_model(cfg, dist.is_main)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
-    reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
-    vision = load_vision(model_path, tokenizer)  # None for text models
-    samples, prompt_ids = load_prompts(cfg, tokenizer, vision) if dist.is_main else ([], [])
-    stop_ids = stop_token_ids(model_path, tokenizer)  # as in evaluation
-    # Held-out benchmarks through the same server, as `python -m apmpo.eval` scores them (bad prompts fail here).
-    validation = Validation(cfg, tokenizer, model_path) if dist.is_main and cfg.eval.every else None
-
-    # ------------------------------------------------------------------ resume
-    trainer_state = resume_checkpoint(engine, run_dir, resume, dist.rank)  # rank 0 picks it, every rank loads it
-    start_step = trainer_state.get("step", 0)
-    if dist.is_main:
-        sampler = PromptSampler(len(samples), cfg.data.seed, **trainer_state.get("sampler", {}))
-
     with contextlib.ExitStack() as stack:
-        # -------------------------------------------------------------- generation server (rank 0)
-        client = logger = score = None
+        # -------------------------------------------------------------- generation server (rank 0), started first
         if dist.is_main:
             save_config(cfg, run_dir / "config.yaml")
-            # Rewards run in worker processes with a per-item time limit: a crash or a hang scores 0, is counted.
-            pool = stack.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s))
-            score = functools.partial(pool.score, get_reward(cfg.data.reward))
-            print(f"[apmpo] run {run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
-                  f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
             r = cfg.rollout
-            # One server (a GenerationClient), or several (a ServerPool: prompts spread over them, weights to all).
+            # Its engine loads while the learner does (wait_ready below). One server (a GenerationClient), or
+            # several (a ServerPool: prompts spread over them, weights to all).
             server = stack.enter_context(serve(
                 model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
                 log_path=run_dir / "server.log", devices=r.devices,
                 num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
-                dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed))
+                dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=False))
+
+        # -------------------------------------------------------------- model, data, engine
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
+        reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
+        vision = load_vision(model_path, tokenizer)  # None for text models
+        samples, prompt_ids = load_prompts(cfg, tokenizer, vision) if dist.is_main else ([], [])
+        stop_ids = stop_token_ids(model_path, tokenizer)  # as in evaluation
+        # Held-out benchmarks through the same server, as `python -m apmpo.eval` scores them (bad prompts fail here).
+        validation = Validation(cfg, tokenizer, model_path) if dist.is_main and cfg.eval.every else None
+
+        # -------------------------------------------------------------- resume
+        trainer_state = resume_checkpoint(engine, run_dir, resume, dist.rank)  # rank 0 picks it, every rank loads it
+        start_step = trainer_state.get("step", 0)
+
+        # -------------------------------------------------------------- rewards, the server's client (rank 0)
+        client = logger = score = None
+        if dist.is_main:
+            sampler = PromptSampler(len(samples), cfg.data.seed, **trainer_state.get("sampler", {}))
+            # Rewards run in worker processes with a per-item time limit: a crash or a hang scores 0, is counted.
+            pool = stack.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s))
+            score = functools.partial(pool.score, get_reward(cfg.data.reward))
+            print(f"[apmpo] run {run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
+                  f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
+            server.wait_ready()
             client = stack.enter_context(server.client(transport=None if r.weight_sync == "auto" else r.weight_sync,
                                                        bucket_bytes=r.bucket_mb << 20))
             policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights

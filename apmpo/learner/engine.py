@@ -49,8 +49,9 @@ def init_distributed(timeout_s: float = 7200.0) -> Dist:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
         # The learner ranks share the cores with the generation server. Oversubscribed OpenMP threads spin
-        # against each other (a tiny forward measured 14x slower with 2 threads than with 1 on 2 busy cores),
-        # so each rank takes an equal share, leaving one for the server.
+        # against each other, so each rank takes an equal share, leaving one for the server. Re-measured once
+        # vLLM's 1 s busy-wait was off (benchmarks/step_time.py, quickstart model, 64 tokens, a busy 2-core box):
+        # 1 thread 2.2-2.7 s/step, 2 threads 8.5-8.9 s/step (log-probs 0.28 s vs 1.7-2.1 s).
         world_size = int(os.environ["WORLD_SIZE"])
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world_size + 1)))
     import deepspeed

@@ -49,6 +49,10 @@ class ServerProcess:
     def client(self, **kwargs) -> GenerationClient:
         return GenerationClient(self.url, self.token, **kwargs)
 
+    def wait_ready(self, timeout_s: float = 900.0) -> None:
+        """After `serve(..., wait=False)`: returns once the engine is loaded (or raises ServerStartError)."""
+        _wait_until_ready([self], timeout_s)
+
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
@@ -93,6 +97,9 @@ class ServerSet:
     def client(self, **kwargs) -> ServerPool:
         return ServerPool([server.client(**kwargs) for server in self.servers])
 
+    def wait_ready(self, timeout_s: float = 900.0) -> None:
+        _wait_until_ready(self.servers, timeout_s)
+
     def stop(self) -> None:
         for server in self.servers:  # SIGTERM to all first: their engines shut down in parallel
             with contextlib.suppress(ProcessLookupError):
@@ -124,9 +131,10 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
                   port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
                   tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
                   seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                  ready_timeout_s: float = 900.0) -> list[ServerProcess]:
+                  ready_timeout_s: float = 900.0, wait: bool = True) -> list[ServerProcess]:
     """Starts one server per entry of `devices` (its CUDA_VISIBLE_DEVICES, or None), all at once, and returns once
-    every one is ready; if any fails, stops them all and raises ServerStartError naming it."""
+    every one is ready; if any fails, stops them all and raises ServerStartError naming it. `wait=False` returns
+    at once: the caller does other work while the engines load, then calls `wait_ready`."""
     if token is not None and not token.strip():
         raise ValueError("token is empty: pass None (a loopback server needs none) or a secret")
     if port is not None and len(devices) > 1:
@@ -141,7 +149,8 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
                 "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
                 "--tensor-parallel-size", str(tp), "--seed", str(seed), *extra_args,
                 *(["--max-model-len", str(max_model_len)] if max_model_len is not None else [])], env))
-        _wait_until_ready(servers, ready_timeout_s)
+        if wait:
+            _wait_until_ready(servers, ready_timeout_s)
     except BaseException:  # incl. Ctrl-C during the start
         ServerSet(servers).stop()
         raise
@@ -179,7 +188,7 @@ def _wait_until_ready(servers: list[ServerProcess], timeout_s: float) -> None:
     try:
         while pending:
             for server in list(pending):
-                code = server.process.poll()
+                code = server.process.poll() if server.process is not None else None  # None: not ours
                 if code is not None:
                     raise ServerStartError(f"generation server {server.url} exited with code {code} during start-up; "
                                            f"log {server.log_path}:\n{server.log_tail()}")
