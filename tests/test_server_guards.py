@@ -44,7 +44,7 @@ def test_the_largest_seed_is_the_one_whose_last_sample_fits():
 
 
 def test_in_range_numbers_pass():
-    for overrides in [dict(seed=0), dict(temperature=0.0), dict(temperature=0.01), dict(temperature=2.0),
+    for overrides in [dict(seed=0), dict(temperature=0.0, n=1), dict(temperature=0.01), dict(temperature=2.0),
                       dict(top_p=1e-6), dict(top_k=0), dict(top_k=2**31 - 1)]:
         GenerateRequest(**{**BASE, **overrides})
 
