@@ -72,6 +72,9 @@ def main() -> None:
     for label, (gen_s, _, push) in results.items():
         print(f"{label:9s}  generate {gen_s:6.2f} s = {tokens / gen_s:8.0f} tokens/s   push {push['seconds']:5.2f} s "
               f"(engine reload {push['reload_s']:.2f} s, of it {push['wait_s']:.2f} s waiting for bytes)")
+    (one_s, _, one_push), (two_s, _, two_push) = results["1 server"], results["2 servers"]
+    print(f"ratio 2 servers/1 server: tokens/s {one_s / two_s:.2f}x, push {two_push['seconds'] / one_push['seconds']:.2f}x "
+          "the time")
 
 
 if __name__ == "__main__":
