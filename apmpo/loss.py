@@ -45,7 +45,7 @@ tensor, which `adaptive_params` returns because rewards live on the CPU).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Callable, Literal
 
 import torch

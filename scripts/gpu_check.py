@@ -34,7 +34,6 @@ import importlib.util
 import json
 import math
 import multiprocessing
-import os
 import platform
 import re
 import shutil
