@@ -220,7 +220,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
                     {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,
                      "max_model_len": args.max_model_len, "dtype": args.dtype, "num_servers": args.num_servers})
     log(f"connecting to {', '.join(args.server)}" if args.server else
-        f"starting generation server(s) on {model} (log: {args.out / 'server.log'})")
+        f"starting generation server(s) on {model} (log: {args.out / 'server.log'}, or server.<k>.log for several)")
     tick = time.monotonic()
     # Several servers: a ServerPool spreads each request over them; the samples are those of one server.
     one = args.server[0] if args.server and len(args.server) == 1 else None
