@@ -192,6 +192,21 @@ def save_synthetic_diagrams(out_dir: str | Path, n: int = 8, seed: int = 0) -> P
     return path
 
 
+def save_perturbed_copy(model_dir: str | Path, out_dir: str | Path, seed: int):
+    """The text model at `model_dir` with N(0, 0.5^2) noise added to every weight, saved with its tokenizer:
+    weights that generate visibly differently, for weight-sync tests. Returns the model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5 * torch.randn(param.shape, generator=g))
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerStartError, start_server
 from apmpo.rollout.weight_sync import SHM_DIR
+from apmpo.tiny import save_perturbed_copy
 
 pytestmark = pytest.mark.slow
 
@@ -149,23 +150,13 @@ def test_wrong_or_missing_token_is_401(tied_server):
 # --- weight sync ---
 
 
-def _perturbed(model_dir, out_dir, seed):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.5 * torch.randn(param.shape, generator=g))
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
-    return model
-
 
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_push_weights_equals_a_fresh_server_on_the_checkpoint(which, request, tmp_path_factory):
     server = request.getfixturevalue(f"{which}_server")
     original_dir = request.getfixturevalue(f"tiny_{which}")
     perturbed_dir = tmp_path_factory.mktemp(f"perturbed_{which}")
-    perturbed = _perturbed(original_dir, perturbed_dir, seed=1)
+    perturbed = save_perturbed_copy(original_dir, perturbed_dir, seed=1)
     assert perturbed.config.tie_word_embeddings == (which == "tied")
     reference = _start(perturbed_dir, tmp_path_factory, f"reference_{which}")
     try:
@@ -211,7 +202,7 @@ def test_server_that_dies_during_start_up_raises_with_its_log(tmp_path):
 def test_a_push_during_generation_waits_for_it(tiny_tied, tmp_path_factory):
     """Asynchronous training pushes while the next batch is generated. The server applies a push between
     requests (its engine lock), so the request in flight runs entirely on the old weights, and says so."""
-    perturbed = _perturbed(tiny_tied, tmp_path_factory.mktemp("perturbed_async"), seed=2)
+    perturbed = save_perturbed_copy(tiny_tied, tmp_path_factory.mktemp("perturbed_async"), seed=2)
     prompts = (PROMPTS * 100)[:256]
     server = start_server(str(tiny_tied), log_path=tmp_path_factory.mktemp("logs") / "async.log", token=TOKEN,
                           dtype="float32", max_model_len=256, ready_timeout_s=300,

@@ -13,11 +13,10 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerSet, start_server, start_servers
-from apmpo.rollout.pool import ServerPool
+from apmpo.tiny import save_perturbed_copy
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +30,6 @@ def _start(model_dir, logs, count):
     return start_servers(str(model_dir), log_paths=[logs / f"server.{k}.log" for k in range(count)],
                          devices=[None] * count, token=TOKEN, dtype="float32", max_model_len=256, extra_args=LIMITS,
                          ready_timeout_s=300)
-
-
-def _perturbed(model_dir, out_dir, seed=1):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.5 * torch.randn(param.shape, generator=g))
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
-    return model
 
 
 def _ids(outs):
@@ -59,7 +47,7 @@ def _sample(client, **kwargs):
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(which, request, tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{which}")
-    perturbed = _perturbed(model_dir, tmp_path / "perturbed")
+    perturbed = save_perturbed_copy(model_dir, tmp_path / "perturbed", seed=1)
     assert perturbed.config.tie_word_embeddings == (which == "tied")
     servers = ServerSet(_start(model_dir, tmp_path, 2))
     reference = None

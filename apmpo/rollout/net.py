@@ -1,8 +1,11 @@
-"""Addresses and ports, shared by the server, its launcher, the client and the weight group."""
+"""Addresses, ports and threads, shared by the server, its launcher, the client, the pool and the weight group."""
 from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
 
 
 def is_loopback(host: str) -> bool:
@@ -24,3 +27,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port free now (another process may take it before it is used: hold a `bind_socket` where that matters)."""
     with bind_socket(host, 0) as sock:
         return sock.getsockname()[1]
+
+
+def in_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """fn(*args) in a daemon thread of its own (never one that exiting would wait for); its Future."""
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 (the Future carries it)
+            future.set_exception(error)
+
+    threading.Thread(target=target, name=getattr(fn, "__name__", "task"), daemon=True).start()
+    return future

@@ -20,12 +20,12 @@ import math
 import queue
 import threading
 import time
-from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from apmpo.rollout.client import GenerationClient, Sample, ServerError, ServerUnavailable
+from apmpo.rollout.net import in_thread
 
 CHUNKS_PER_SERVER = 4  # enough for a free server to take over from a slow one, few enough to keep batches large
 # What every server of a pool must agree on: prompts are encoded once, for one model.
@@ -106,7 +106,7 @@ class ServerPool:
         """Pushes to every server in parallel; returns the weight version, the same on all."""
         named = [(name, tensor.detach()) for name, tensor in named_tensors]  # read by every thread
         start = time.perf_counter()
-        futures = [_in_thread(client.push_weights, named) for client in self.clients]
+        futures = [in_thread(client.push_weights, named) for client in self.clients]
         versions, errors = {}, []
         for client, future in zip(self.clients, futures):
             try:
@@ -144,16 +144,3 @@ def _naming(url: str, error: BaseException) -> BaseException:
     wrapped = ServerError(f"generation server {url}: {type(error).__name__}: {error}")
     wrapped.__cause__ = error
     return wrapped
-
-
-def _in_thread(fn: Callable[..., Any], *args: Any) -> Future:
-    future: Future = Future()
-
-    def target() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:  # noqa: BLE001 (the Future carries it)
-            future.set_exception(error)
-
-    threading.Thread(target=target, name=getattr(fn, "__name__", "push"), daemon=True).start()
-    return future

@@ -28,9 +28,8 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,7 +37,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from apmpo.rollout import no_torchvision
-from apmpo.rollout.net import bind_socket, is_loopback
+from apmpo.rollout.net import bind_socket, in_thread, is_loopback
+from apmpo.rollout.weight_sync import Transport
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
 # and they load vLLM's Qwen2-VL code too.
@@ -107,7 +107,7 @@ class InfoResponse(BaseModel):
 
 
 class InitWeightGroupRequest(_Strict):
-    transport: Literal["gloo", "shm", "nccl", "cuda_ipc"]
+    transport: Transport
     host: str
     port: int = Field(gt=0, lt=65536)
     world_size: int = Field(ge=2)
@@ -281,7 +281,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         # The engine runs in a thread; this coroutine watches the connection meanwhile, so that a client that gives
         # up (disconnects, times out) frees the engine at its next step.
         gone = threading.Event()
-        result = asyncio.wrap_future(_in_thread(run_generate, req, params, gone))
+        result = asyncio.wrap_future(in_thread(run_generate, req, params, gone))
         try:
             while not (await asyncio.wait({result}, timeout=0.5))[0]:
                 if await request.is_disconnected():
@@ -327,7 +327,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
                 locked.set()
                 raise
 
-        state["update"] = _in_thread(update)
+        state["update"] = in_thread(update)
         if not locked.wait(timeout=limits.update_timeout_s):  # generation paused once the lock is ours
             raise HTTPException(503, "generation did not drain in time")
         return {"status": "receiving"}
@@ -356,21 +356,6 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     return app
 
 
-def _in_thread(fn: Callable[..., Any], *args: Any) -> Future:
-    """fn(*args) in a daemon thread of its own (never one that exiting would wait for); its Future."""
-    future: Future = Future()
-
-    def target() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:  # noqa: BLE001 (the Future carries it)
-            future.set_exception(error)
-
-    threading.Thread(target=target, name=fn.__name__, daemon=True).start()
-    return future
-
-
-# --- CLI ----------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
