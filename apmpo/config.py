@@ -222,7 +222,7 @@ class Config:
             raise ConfigError(f"train.zero_stage must be 0, 1 or 2, got {t.zero_stage}")
         if r.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: group advantages need at least two samples")
-        check_temperature("rollout.temperature", r.temperature)
+        check_temperature("rollout.temperature", r.temperature, samples=r.group_size)
         if not 0.0 < r.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p must lie in (0, 1], got {r.top_p}")
         if r.top_k < -1 or r.top_k == 0:
@@ -251,9 +251,11 @@ class Config:
         return out
 
 
-def check_temperature(key: str, value: float) -> None:
+def check_temperature(key: str, value: float, samples: int) -> None:
     """As the generation server accepts it: vLLM raises a temperature in (0, 0.01) to 0.01 (its log-probs would
-    then not be the learner's) and refuses one above 2."""
+    then not be the learner's) and refuses one above 2; greedy (0) draws one sample per prompt, all others equal."""
+    if value == 0.0 and samples > 1:
+        raise ConfigError(f"{key} is 0 (greedy), which gives {samples} identical samples per prompt: use >= 0.01")
     if not (value == 0.0 or 0.01 <= value <= 2.0):
         raise ConfigError(f"{key} must be 0 (greedy) or lie in [0.01, 2], got {value}")
 
@@ -352,7 +354,7 @@ def _check_eval(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    check_temperature("eval.temperature", e.temperature)
+    check_temperature("eval.temperature", e.temperature, samples=e.n)
     from apmpo.eval.run import EvalError, benchmark_names  # noqa: PLC0415  (light: apmpo.data, no torch)
 
     try:

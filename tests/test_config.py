@@ -132,6 +132,7 @@ def test_paper_recipe():
     ("rollout.temperature=-0.1", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\], got -0.1"),
     ("rollout.temperature=.inf", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
     ("rollout.temperature=0.005", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
+    ("rollout.temperature=0", r"rollout.temperature is 0 \(greedy\), which gives 8 identical samples per prompt"),
     ("rollout.temperature=2.5", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
     ("rollout.top_p=0", r"rollout.top_p must lie in \(0, 1\], got 0.0"),
     ("rollout.top_p=1.5", r"rollout.top_p must lie in \(0, 1\]"),
@@ -154,7 +155,7 @@ def test_bad_values_fail_at_load_naming_the_key(override, message):
 
 def test_values_at_the_edges_are_accepted(tmp_path):
     (tmp_path / "train.jsonl").write_text("")
-    cfg = load_config(None, ["rollout.max_tokens=3072", "rollout.temperature=0", "rollout.top_p=1", "rollout.top_k=5",
+    cfg = load_config(None, ["rollout.max_tokens=3072", "rollout.temperature=0.01", "rollout.top_p=1", "rollout.top_k=5",
                              "data.reward=json:loads", f"data.train={tmp_path / 'train.jsonl'}",
                              f"model.path={tmp_path}", "data.train=org/some-dataset"])
     assert (cfg.rollout.max_tokens, cfg.rollout.top_k, cfg.data.reward) == (3072, 5, "json:loads")
