@@ -170,29 +170,8 @@ def test_validation_equals_the_eval_cli_with_the_same_settings_and_seed(tmp_path
     assert (tmp_path / "quickstart" / "eval" / "step_6" / "samples.jsonl").read_text().splitlines() == cli_rows
 
 
-@pytest.mark.slow
-def test_validation_on_a_real_server_equals_the_eval_cli_on_the_same_weights(tmp_path):
-    from apmpo.rollout.launcher import serve
-
-    model = str(save_quickstart_model(tmp_path / "model"))
-    cfg = quickstart_config(tmp_path, "train.seed=5")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    with serve(model, log_path=tmp_path / "server.log", max_model_len=128, dtype="float32") as server, \
-            server.client() as client, RewardPool(1, 10.0) as pool:
-        metrics = Validation(cfg, tokenizer, model).run(client, pool.score, step=2)
-    # The CLI starts its own server on the same files: the same functions and seeds give the same samples.
-    done = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model", model, *CLI, "--seeds", "5",
-                           "--max-model-len", "128", "--dtype", "float32", "--out", str(tmp_path / "cli")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ})
-    assert done.returncode == 0, done.stderr[-3000:]
-    cli = json.loads((tmp_path / "cli" / "results.json").read_text())["benchmarks"]["quickstart_val"]
-    assert metrics["val/quickstart_val/pass@1"] == cli["pass@1"]["mean"]
-    assert metrics["val/quickstart_val/pass@4"] == cli["pass@4"]["mean"]
-    assert metrics["val/quickstart_val/length_mean"] == cli["mean_tokens"]
-    assert metrics["val/quickstart_val/truncated_frac"] == cli["truncated_frac"]
-    assert 0 < cli["pass@1"]["mean"] < 1  # a random model answers a digit of the prompt sometimes, not always
-    ours = (tmp_path / "quickstart" / "eval" / "step_2" / "samples.jsonl").read_text().splitlines()
-    assert ours == (tmp_path / "cli" / "samples.jsonl").read_text().splitlines()  # sample by sample
+# Validation == the eval CLI on a real server, sample by sample, is shown by the training run below (step 4's
+# checkpoint through `python -m apmpo.eval`), which also starts the servers: one such test keeps CI in its budget.
 
 
 # --- python -m apmpo.plot draws the validation curves -----------------------------------------------------------
