@@ -96,7 +96,7 @@ def _perturbed(model_dir, out_dir, seed):
 
 @pytest.mark.slow
 def test_server_generates_with_images_and_sync_equals_a_fresh_load(tiny_vl, vision, diagrams, tmp_path):
-    from apmpo.rollout.launcher import start_server
+    from apmpo.rollout.launcher import ServerSet, start_server
 
     records = load_records(str(diagrams), fields="choice")[:3]
     prompts = [vision.encode(r) for r in records]
@@ -110,10 +110,12 @@ def test_server_generates_with_images_and_sync_equals_a_fresh_load(tiny_vl, visi
 
     perturbed = _perturbed(tiny_vl, tmp_path / "perturbed", seed=1)
     assert perturbed.config.tie_word_embeddings  # like Qwen2.5-VL-3B: lm_head comes from the embeddings
-    servers = [start_server(str(path), log_path=tmp_path / f"{name}.log", dtype="float32", max_model_len=256,
-                            ready_timeout_s=300) for name, path in (("a", tiny_vl), ("b", tmp_path / "perturbed"))]
+    servers = ServerSet([start_server(str(path), log_path=tmp_path / f"{name}.log", dtype="float32",
+                                      max_model_len=256, wait=False)  # both load at once
+                         for name, path in (("a", tiny_vl), ("b", tmp_path / "perturbed"))])
     try:
-        with servers[0].client() as client, servers[1].client() as fresh:
+        servers.wait_ready(timeout_s=300)
+        with servers.servers[0].client() as client, servers.servers[1].client() as fresh:
             before = greedy(client)
             other_diagrams = [images[1], images[2], images[0]]
             assert greedy(client, other_diagrams) != before  # the image reaches the model
@@ -126,9 +128,15 @@ def test_server_generates_with_images_and_sync_equals_a_fresh_load(tiny_vl, visi
             assert greedy(client) != after
             client.push_weights(original.named_parameters())
             assert greedy(client) == before
+            # A random policy samples every token about equally often (1 in ~520), the placeholders too
+            # (which crashed a training run's update); the server never samples them.
+            sampled = [s.token_ids for row in client.generate(prompts, n=16, temperature=1.0, max_tokens=64,
+                                                                   images=images, seed=0) for s in row]
+            assert sum(map(len, sampled)) > 2500
+            placeholders = {vision.image_token_id, vision.tokenizer.convert_tokens_to_ids("<|video_pad|>")}
+            assert not placeholders & {t for ids in sampled for t in ids}
     finally:
-        for server in servers:
-            server.stop()
+        servers.stop()
 
 
 # --- training through the CLI ---

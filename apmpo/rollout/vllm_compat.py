@@ -169,14 +169,25 @@ def engine_info(llm: vllm.LLM) -> dict[str, Any]:
     }
 
 
+def placeholder_token_ids(llm: vllm.LLM) -> list[int]:
+    """A vision-language model's image and video placeholder tokens. A policy can sample one (a random one
+    often does; trained ones have: verl#3469, EasyR1#110), and then the learner's forward finds one more image
+    pad than the images have features for and fails. The server never samples them."""
+    config = llm.llm_engine.model_config.hf_config
+    names = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
+    return sorted({value for value in (getattr(config, name, None) for name in names) if isinstance(value, int)})
+
+
 def sampling_params(
     *, n: int, temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int | None,
-    stop_token_ids: list[int],
+    stop_token_ids: list[int], never_sample: list[int] = (),
 ) -> vllm.SamplingParams:
     return vllm.SamplingParams(
         n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
         stop_token_ids=stop_token_ids,
         logprobs=0,  # 0 = only the sampled token's log-prob
+        # vLLM's strongest bias; applied before the processed log-probs, which so stay the sampler's own.
+        logit_bias={token: -100.0 for token in never_sample} or None,
     )
 
 
