@@ -48,3 +48,18 @@ def test_a_bad_busy_loop_value_fails_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv(BUSY, value)
     with pytest.raises(ValueError, match=f"{BUSY}='{value}': expected seconds >= 0"):
         compat.set_busy_loop()
+
+
+def test_sampled_logprobs_are_kept_flat_and_without_their_token_text():
+    """vLLM would decode each returned log-prob's token text (most of the server's output processing at 128
+    tokens a sample); apmpo reads the numbers only, from flat lists."""
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    params = compat.sampling_params(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4, seed=0,
+                                    stop_token_ids=[])
+    processor = LogprobsProcessor.from_new_request(tokenizer=object(), request=SimpleNamespace(sampling_params=params))
+    assert processor.tokenizer is None and isinstance(processor.logprobs, FlatLogprobs)
+    assert processor.num_logprobs == 0  # the sampled token's only

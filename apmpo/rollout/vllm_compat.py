@@ -9,7 +9,9 @@ Names relied on, checked against vllm 0.32.0's source:
   render_cmpl(prompts, renderer.default_cmpl_tok_params)` with `vllm.renderers.inputs.preprocess.parse_model_prompt`,
   `llm_engine.add_request(id, input, params)` (`params.output_kind = RequestOutputKind.FINAL_ONLY`), `.step()`,
   `.abort_request(external_ids)`; `llm_engine.engine_core.shutdown()`, `.resources.engine_dead`  v1/engine/
-- `vllm.inputs.TokensPrompt`, `vllm.SamplingParams(seed=, logprobs=0, stop_token_ids=)`      inputs/, sampling_params.py
+- `vllm.inputs.TokensPrompt`, `vllm.SamplingParams(seed=, logprobs=0, flat_logprobs=, stop_token_ids=, logit_bias=)`,
+  `vllm.logprobs.FlatLogprobs` (`.logprobs`, `.start_indices`)                  inputs/, sampling_params.py, logprobs.py
+- `vllm.v1.engine.logprobs.LogprobsProcessor.from_new_request(tokenizer, request)` (built without a tokenizer)
 - vision-language: `LLM(limit_mm_per_prompt={"image": k, "video": 0})`, `TokensPrompt(multi_modal_data={"image":
   [PIL images]})` with one image pad per image (vLLM expands it; an already expanded prompt is NOT recognised:
   it expands the first pad again), `vllm.ModelRegistry.register_model(name, cls)`   model_executor/models/
@@ -84,6 +86,7 @@ from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine.logprobs import LogprobsProcessor  # noqa: E402
 
 from apmpo.rollout.weight_sync import WeightReceiverExtension  # noqa: E402,F401 (WORKER_EXTENSION)
 
@@ -110,6 +113,25 @@ def set_busy_loop() -> None:
 
 
 set_busy_loop()
+
+
+def skip_logprob_token_text() -> None:
+    """vLLM decodes the token text of every log-prob it returns (LogprobsProcessor, token by token, in the
+    process that calls the engine): at 128 tokens a sample that was three quarters of the server's time in output
+    processing. apmpo reads only the numbers; built without a tokenizer, the processor decodes nothing
+    (`Logprob.decoded_token` None). The completion's own text is detokenized as before."""
+    build = LogprobsProcessor.from_new_request.__func__
+    if list(inspect.signature(build).parameters) != ["cls", "tokenizer", "request"]:
+        raise ImportError(f"vLLM {VLLM_VERSION}: LogprobsProcessor.from_new_request has changed; "
+                          "update apmpo.rollout.vllm_compat")
+
+    def without_tokenizer(cls, tokenizer, request):
+        return build(cls, None, request)
+
+    LogprobsProcessor.from_new_request = classmethod(without_tokenizer)
+
+
+skip_logprob_token_text()
 
 
 @dataclass(frozen=True)
@@ -186,6 +208,7 @@ def sampling_params(
         n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
         stop_token_ids=stop_token_ids,
         logprobs=0,  # 0 = only the sampled token's log-prob
+        flat_logprobs=True,  # a few lists per sample, not a dict and an object per token
         # vLLM's strongest bias; applied before the processed log-probs, which so stay the sampler's own.
         logit_bias={token: -100.0 for token in never_sample} or None,
     )
@@ -249,7 +272,8 @@ def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.Sampling
             {
                 "token_ids": list(sample.token_ids),
                 "text": sample.text,
-                "logprobs": [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)],
+                # Flat: position i's entries start at start_indices[i], the sampled token's first (logprobs=0).
+                "logprobs": [sample.logprobs.logprobs[i] for i in sample.logprobs.start_indices],
                 "finish_reason": sample.finish_reason,
             }
             for sample in finished[request_id].outputs
