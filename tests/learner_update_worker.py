@@ -52,6 +52,8 @@ def main():
     parser.add_argument("--recompute-old", action="store_true", help="old log-probs by a separate forward")
     parser.add_argument("--nan-advantage", action="store_true",
                         help="fault injection: rollout 0's advantage is NaN (its optimiser step's gradients too)")
+    parser.add_argument("--no-rollouts", action="store_true",
+                        help="every completion masked (rollout.mask_truncated with all truncated): nothing to train")
     args = parser.parse_args()
     # adam_eps well above round-off: Adam's first step is ~ lr * sign(g), so with a tiny eps a gradient that is
     # zero up to round-off would turn summation-order noise into +-lr steps and hide what the test compares.
@@ -68,6 +70,8 @@ def main():
     params = adaptive_params(rewards, cfg.loss)
     if args.nan_advantage:
         rollouts[0].advantage = float("nan")
+    if args.no_rollouts:
+        rollouts = []
     plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed=0)
     grad_norms = []
     engine.step = _recording(engine.step, engine, grad_norms)

@@ -96,3 +96,11 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
     assert faulty["metrics"]["train/skipped_steps"] == 1
     assert sum(math.isfinite(n) for n in faulty["grad_norms"]) == 1
     assert all(torch.isfinite(p).all() for p in faulty["params"].values())
+
+
+@pytest.mark.slow
+def test_a_batch_with_nothing_to_train_takes_no_step(tmp_path):
+    # Every completion masked (all truncated under rollout.mask_truncated): the step logs its timings and moves on.
+    empty, = run_worker(tmp_path / "empty", extra=("--no-rollouts",))
+    assert empty["grad_norms"] == [] and empty["trained"] == [] and empty["metrics"]["train/skipped_steps"] == 0
+    assert {"time/logprob", "time/update"} <= set(empty["metrics"])

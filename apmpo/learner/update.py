@@ -128,6 +128,8 @@ class StepTotals:
     def reduce(self, device, world_size: int, optimizer_steps: int) -> dict[str, float]:
         """Means over all ranks: token means, and the loss per optimiser step."""
         keys = sorted(self.sums)
+        if not keys:  # no optimiser step this time (every completion masked): nothing was added, on any rank
+            return self._reduce_extremes(device, world_size)
         values = torch.stack([torch.as_tensor(self.sums[k], dtype=torch.float32, device=device) for k in keys]
                              + [torch.tensor(self.tokens.get(k, 0.0), dtype=torch.float32, device=device) for k in keys])
         if world_size > 1:
