@@ -206,7 +206,8 @@ def test_a_push_during_generation_waits_for_it(tiny_tied, tmp_path_factory):
     prompts = (PROMPTS * 100)[:256]
     server = start_server(str(tiny_tied), log_path=tmp_path_factory.mktemp("logs") / "async.log", token=TOKEN,
                           dtype="float32", max_model_len=256, ready_timeout_s=300,
-                          extra_args=("--max-prompts", "256", "--max-n", "8", "--max-tokens", "96"))
+                          extra_args=("--max-prompts", "256", "--max-n", "8", "--max-tokens", "96",
+                                      "--update-timeout-s", "3"))  # the push waits longer than that
     try:
         with GenerationClient(server.url, token=TOKEN) as client:
             def sample(some):  # seeded: prompt i's samples depend on the seed and the weights only
@@ -222,7 +223,9 @@ def test_a_push_during_generation_waits_for_it(tiny_tied, tmp_path_factory):
             thread.start()
             time.sleep(0.3)
             assert thread.is_alive(), "the request finished before the push: make it longer"
+            start = time.monotonic()
             assert client.push_weights(perturbed.named_parameters()) == 1  # waits until the engine is free
+            assert time.monotonic() - start > 3  # before: 503 "generation did not drain in time" at 3 s
             thread.join()
             rows = finished["rows"]
             assert [[s.token_ids for s in row] for row in rows[:3]] == old  # by the old weights, all of it

@@ -137,7 +137,7 @@ class GenerationClient:
         self._request("POST", "/weights/begin", json={"buckets": [
             {"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                                                "offset": t.offset} for t in b.tensors]} for b in buckets]},
-            timeout_s=self.sync_timeout_s, retries=0)
+            timeout_s=info["limits"]["generate_timeout_s"] + self.sync_timeout_s, retries=0)  # behind a generate
         try:
             send_buckets(group, buckets, [tensor for _, tensor in named])
         except Exception:

@@ -103,7 +103,7 @@ class InfoResponse(BaseModel):
     num_workers: int
     multimodal: bool
     device_uuids: list[str]  # one per worker; empty strings on CPU
-    limits: dict[str, int]
+    limits: dict[str, float]
 
 
 class InitWeightGroupRequest(_Strict):
@@ -235,7 +235,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     def info() -> InfoResponse:
         return InfoResponse(model=model, weight_version=state["version"], device_uuids=device_uuids,
                             limits={"max_prompts": limits.max_prompts, "max_n": limits.max_n,
-                                    "max_tokens": limits.max_tokens}, **engine)
+                                    "max_tokens": limits.max_tokens, "generate_timeout_s": limits.generate_timeout_s},
+                            **engine)
 
     def run_generate(req: GenerateRequest, params: list, gone: threading.Event) -> GenerateResponse:
         """In a thread of its own. Ends early, its requests aborted, once the client is `gone` or it has held the
@@ -329,7 +330,9 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
                 raise
 
         state["update"] = in_thread(update)
-        if not locked.wait(timeout=limits.update_timeout_s):  # generation paused once the lock is ours
+        # Generation is paused once the lock is ours. A generate holds it at most --generate-timeout-s: an
+        # asynchronous learner's push waits behind a whole batch's generation, however long that takes.
+        if not locked.wait(timeout=limits.generate_timeout_s + limits.update_timeout_s):
             raise HTTPException(503, "generation did not drain in time")
         return {"status": "receiving"}
 
