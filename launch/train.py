@@ -50,14 +50,15 @@ def main(cfg: Config, resume: str) -> None:
         if dist.is_main:
             save_config(cfg, run_dir / "config.yaml")
             r = cfg.rollout
-            # Its engine loads while the learner does (wait_ready below). One server (a GenerationClient), or
-            # several (a ServerPool: prompts spread over them, weights to all).
+            # Its engine loads while the learner does (wait_ready below), unless it shares rank 0's GPU: vLLM
+            # sizes its KV cache from the free memory it measures while it loads. One server (a GenerationClient),
+            # or several (a ServerPool: prompts spread over them, weights to all).
             server = stack.enter_context(serve(
                 model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
                 log_path=run_dir / "server.log", devices=r.devices,
                 num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
-                dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=False))
+                dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=check_devices(cfg)))
 
         # -------------------------------------------------------------- model, data, engine
         tokenizer = AutoTokenizer.from_pretrained(model_path)

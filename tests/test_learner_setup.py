@@ -54,22 +54,27 @@ def test_gpu_devices_without_cuda_are_refused():
     check_devices(load_config(None), env={}, gpu_count=0)  # CPU run: nothing named, nothing to check
 
 
-@pytest.mark.parametrize("devices, env, ok", [
-    ("3", {"LOCAL_SIZE": "3"}, True),  # the paper layout: learners on 0-2, the server on 3
-    ("2,3", {"LOCAL_SIZE": "3"}, False),  # GPU 2 is rank 2's
-    ("0", {"LOCAL_SIZE": "1"}, True),  # one GPU shared with rank 0: CUDA IPC
-    ("0", {"LOCAL_SIZE": "2"}, True),  # the server shares rank 0's GPU
-    ("1", {"LOCAL_SIZE": "2"}, False),  # rank 1 pushes nothing: no IPC with rank 1's GPU
-    ("0,1", {"LOCAL_SIZE": "1"}, False),  # two server GPUs, one of them the learner's
-    ("5", {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_WORLD_SIZE": "2"}, False),  # physical ids, under torchrun
-    ("6", {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_WORLD_SIZE": "2"}, True),
+@pytest.mark.parametrize("devices, env, outcome", [
+    ("3", {"LOCAL_SIZE": "3"}, "own GPU"),  # the paper layout: learners on 0-2, the server on 3
+    ("2,3", {"LOCAL_SIZE": "3"}, "refused"),  # GPU 2 is rank 2's
+    ("0", {"LOCAL_SIZE": "1"}, "shared"),  # one GPU shared with rank 0: CUDA IPC
+    ("0", {"LOCAL_SIZE": "2"}, "shared"),  # the server shares rank 0's GPU
+    ("1", {"LOCAL_SIZE": "2"}, "refused"),  # rank 1 pushes nothing: no IPC with rank 1's GPU
+    ("0,1", {"LOCAL_SIZE": "1"}, "refused"),  # two server GPUs, one of them the learner's
+    ("5", {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_WORLD_SIZE": "2"}, "refused"),  # physical ids, under torchrun
+    ("6", {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_WORLD_SIZE": "2"}, "own GPU"),
+    (None, {"LOCAL_SIZE": "1"}, "shared"),  # none named on a GPU machine: the server takes the first GPU
 ])
-def test_server_gpus_must_not_overlap_the_learners(devices, env, ok):
-    if ok:
-        check_devices(gpu_config(devices), env=env, gpu_count=8)
-    else:
+def test_server_gpus_must_not_overlap_the_learners(devices, env, outcome):
+    """check_devices also says whether the server shares rank 0's GPU: then the run waits for its engine to load
+    before loading the learner (vLLM sizes its KV cache from the free memory it measures)."""
+    cfg = gpu_config(devices) if devices else load_config(None)
+    if outcome == "refused":
         with pytest.raises(ConfigError, match=rf"rollout.devices='{devices}' overlaps the learner's GPUs"):
-            check_devices(gpu_config(devices), env=env, gpu_count=8)
+            check_devices(cfg, env=env, gpu_count=8)
+    else:
+        assert check_devices(cfg, env=env, gpu_count=8) == (outcome == "shared")
+    assert check_devices(load_config(None, ["rollout.url=http://10.0.0.2:8000"]), env=env, gpu_count=8) is False
 
 
 def test_shared_gpu_with_forced_nccl_is_refused():

@@ -61,21 +61,22 @@ def init_distributed(timeout_s: float = 7200.0) -> Dist:
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device)
 
 
-def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int | None = None) -> None:
+def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int | None = None) -> bool:
     """Before anything starts: a config that names server GPUs needs a learner that sees CUDA (else it would
     quietly train on the CPU), and every server's GPUs must not overlap the learner's, except the one shared-GPU
     set-up (a single server on exactly rank 0's GPU, weights over CUDA IPC). Several servers on a GPU machine need
     GPUs named for each. Device ids are physical, as in CUDA_VISIBLE_DEVICES. Raises ConfigError naming
-    rollout.devices."""
+    rollout.devices. Returns whether a server this run starts shares rank 0's GPU."""
     from apmpo.rollout.launcher import device_groups
 
     devices, num_servers = cfg.rollout.devices, cfg.rollout.num_servers
     gpu_count = torch.cuda.device_count() if gpu_count is None else gpu_count
     if devices is None:
-        if num_servers > 1 and gpu_count > 0 and cfg.rollout.url is None and cfg.rollout.urls is None:
+        started_here = gpu_count > 0 and cfg.rollout.url is None and cfg.rollout.urls is None
+        if num_servers > 1 and started_here:
             raise ConfigError(f"rollout.num_servers={num_servers} on a GPU machine needs rollout.devices, one group "
                               "of GPUs per server (e.g. \"4;5;6;7\"): without it every server would take GPU 0")
-        return
+        return started_here  # on the first visible GPU, rank 0's
     if gpu_count == 0:
         raise ConfigError(
             f"rollout.devices={devices!r} names GPUs, but this learner sees no CUDA device (torch {torch.__version__}, "
@@ -88,9 +89,9 @@ def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int 
     learner = visible[:local_ranks]
     shared = [d for group in groups for d in group if d in learner]
     if not shared:
-        return
+        return False
     if groups == [learner[:1]] and cfg.rollout.weight_sync in ("auto", "cuda_ipc"):
-        return  # one server on one GPU shared with rank 0: cuda_ipc (gpu_memory_utilization must leave room)
+        return True  # one server on one GPU shared with rank 0: cuda_ipc (gpu_memory_utilization must leave room)
     raise ConfigError(
         f"rollout.devices={devices!r} overlaps the learner's GPUs {learner} (GPU {', '.join(shared)}): NCCL cannot "
         "put two ranks of the weight-sync group on one GPU. Give every server GPUs of its own, or share exactly "
