@@ -306,15 +306,12 @@ def _check_servers(cfg: Config) -> None:
                               f"names {len(r.urls)} running ones")
     if r.devices is None:
         return
-    from apmpo.rollout.launcher import device_groups  # noqa: PLC0415
+    from apmpo.rollout.launcher import server_groups  # noqa: PLC0415
 
     try:
-        groups = device_groups(r.devices)
+        groups = server_groups(r.devices, r.num_servers)
     except ValueError as error:
-        raise ConfigError(f"rollout.devices: {error}") from None
-    if r.num_servers != len(groups):
-        raise ConfigError(f"rollout.devices={r.devices!r} has {len(groups)} device group(s) (one per server, "
-                          f"separated by ';'), but rollout.num_servers is {r.num_servers}")
+        raise ConfigError(f"rollout.devices: {error} (rollout.num_servers)") from None
     sizes = {len(group.split(",")) for group in groups}
     if r.tensor_parallel_size is not None and sizes != {r.tensor_parallel_size}:
         raise ConfigError(f"rollout.tensor_parallel_size ({r.tensor_parallel_size}) must equal the GPUs of each "

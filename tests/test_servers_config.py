@@ -36,8 +36,9 @@ def test_devices_groups_and_num_servers_must_agree():
     assert rollout("devices='4;5;6;7'", "num_servers=4").num_servers == 4
     r = rollout("devices='4,5;6,7'", "num_servers=2", "tensor_parallel_size=2")
     assert (r.devices, r.tensor_parallel_size) == ("4,5;6,7", 2)
-    with pytest.raises(ConfigError, match=r"rollout.devices='4;5;6;7' has 4 device group\(s\).*rollout.num_servers is 1"):
-        rollout("devices='4;5;6;7'")
+    assert rollout("devices='4;5;6;7'").devices == "4;5;6;7"  # num_servers left at 1: one per group, as in eval
+    with pytest.raises(ConfigError, match=r"rollout.devices: '4;5;6;7' names 4 server\(s\).*but 3 servers were"):
+        rollout("devices='4;5;6;7'", "num_servers=3")
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size \(1\) must equal the GPUs of each server"):
         rollout("devices='4,5;6,7'", "num_servers=2", "tensor_parallel_size=1")
     with pytest.raises(ConfigError, match="rollout.num_servers must be >= 1, got 0"):
@@ -70,7 +71,7 @@ def test_eval_cli_takes_several_servers_or_num_servers(tmp_path, capsys):
     for argv, message in [(["--num-servers", "2", "--server", "http://a:1"], "--num-servers starts servers"),
                           (["--num-servers", "0"], "--num-servers must be >= 1"),
                           (["--devices", "0;;1"], "--devices: '0;;1' has an empty device group"),
-                          (["--devices", "0;1", "--num-servers", "3"], "--devices names 2 server"),]:
+                          (["--devices", "0;1", "--num-servers", "3"], "--devices: '0;1' names 2 server(s)"),]:
         with pytest.raises(SystemExit) as exit_:
             parse_args(["--model", "m", "--out", str(tmp_path), *argv])
         assert exit_.value.code == 2 and message in capsys.readouterr().err

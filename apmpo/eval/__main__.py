@@ -107,14 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(message)
     args.k = sorted(set(ks))
     if args.devices is not None and args.server is None:
-        from apmpo.rollout.launcher import device_groups  # noqa: PLC0415
+        from apmpo.rollout.launcher import server_groups  # noqa: PLC0415
 
         try:
-            groups = device_groups(args.devices)
+            server_groups(args.devices, args.num_servers)
         except ValueError as error:
-            p.error(f"--devices: {error}")
-        if args.num_servers not in (1, len(groups)):
-            p.error(f"--devices names {len(groups)} server(s) but --num-servers is {args.num_servers}")
+            p.error(f"--devices: {error} (--num-servers)")
     return args
 
 

@@ -122,6 +122,18 @@ def device_groups(devices: str) -> list[str]:
     return [",".join(group) for group in groups]
 
 
+def server_groups(devices: str | None, num_servers: int = 1) -> list[str | None]:
+    """Each server's CUDA_VISIBLE_DEVICES: one per device group of `devices` (num_servers left at 1 or equal to the
+    number of groups), else `num_servers` servers on no named GPUs. Raises ValueError."""
+    if devices is None:
+        return [None] * num_servers
+    groups = device_groups(devices)
+    if num_servers not in (1, len(groups)):
+        raise ValueError(f"{devices!r} names {len(groups)} server(s) (one device group each, separated by ';'), "
+                         f"but {num_servers} servers were asked for")
+    return groups
+
+
 def start_server(model: str, *, log_path: str | Path, devices: str | None = None, **kwargs) -> ServerProcess:
     """Starts `python -m apmpo.rollout.server` and returns once it is ready (or raises ServerStartError)."""
     return start_servers(model, log_paths=[log_path], devices=[devices], **kwargs)[0]
@@ -221,9 +233,7 @@ def serve(model: str | None = None, *, url: str | None = None, urls: list[str] |
             with server.client() as client:
                 client.wait_ready(timeout_s=start_kwargs.get("ready_timeout_s", 300.0))
     elif model is not None:
-        groups = device_groups(devices) if devices is not None else [None] * num_servers
-        if devices is not None and num_servers not in (1, len(groups)):
-            raise ValueError(f"devices {devices!r} names {len(groups)} server(s), num_servers is {num_servers}")
+        groups = server_groups(devices, num_servers)
         log_path = Path(log_path)
         logs = [log_path] if len(groups) == 1 else \
             [log_path.with_name(f"{log_path.stem}.{k}{log_path.suffix}") for k in range(len(groups))]
