@@ -248,10 +248,18 @@ def test_model_path_that_does_not_exist(tmp_path, capsys):
     assert "model not found" in capsys.readouterr().err
 
 
-def test_bad_arguments_exit_2(tmp_path, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "4", "--k", "1,16"], "every --k must lie in [1, n=4]"),
+    # Before any server starts (they were a 422 from it, or a traceback from the seeding layout):
+    (["--n", "4", "--temperature", "0"], "--temperature is 0 (greedy), which gives 4 identical samples"),
+    (["--temperature", "3"], "--temperature must be 0 (greedy) or lie in [0.01, 2], got 3.0"),
+    (["--seeds", str(2**30)], "--seeds must lie below 2**30"),
+    (["--seeds", ","], "--seeds is empty"),
+])
+def test_bad_arguments_exit_2(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--model", "m", "--out", str(tmp_path), "--n", "4", "--k", "1,16"])
-    assert exit_info.value.code == 2 and "every --k must lie in [1, n=4]" in capsys.readouterr().err
+        main(["--model", "m", "--out", str(tmp_path), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 # --- diversity ----------------------------------------------------------------------------------------------

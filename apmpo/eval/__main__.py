@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from apmpo import seeding
+from apmpo.config import ConfigError, check_temperature
 from apmpo.data import FIELD_MAPS, stop_token_ids
 from apmpo.eval.metrics import average, summarize_benchmark
 from apmpo.eval.run import (BATCH_PROMPTS, Benchmark, EvalError, SampleStore, Sampling, check_settings,
@@ -95,9 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         p.error("--seeds and --k take comma-separated integers, e.g. 0,1,2")
     checks = [(args.n >= 1, "--n must be >= 1"), (bool(args.seeds), "--seeds is empty"),
-              (len(set(args.seeds)) == len(args.seeds) and min(args.seeds) >= 0, "--seeds must be distinct, >= 0"),
+              (len(set(args.seeds)) == len(args.seeds) and min(args.seeds, default=0) >= 0,
+               "--seeds must be distinct, >= 0"),
               (all(1 <= k <= args.n for k in ks), f"every --k must lie in [1, n={args.n}]"),
-              (args.temperature >= 0, "--temperature must be >= 0"), (0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
+              (max(args.seeds, default=0) < 1 << seeding.EVAL_SEED_BITS,
+               f"--seeds must lie below 2**{seeding.EVAL_SEED_BITS}"),
+              (0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
               (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
               (args.diversity_n >= 2, "--diversity-n must be >= 2"), (args.batch_prompts >= 1, "--batch-prompts >= 1"),
               (args.num_servers >= 1, "--num-servers must be >= 1"),
@@ -105,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for ok, message in checks:
         if not ok:
             p.error(message)
+    try:
+        check_temperature("--temperature", args.temperature, args.n)  # as training's: the server's own rule
+    except ConfigError as error:
+        p.error(str(error))
     args.k = sorted(set(ks))
     if args.devices is not None and args.server is None:
         from apmpo.rollout.launcher import server_groups  # noqa: PLC0415
