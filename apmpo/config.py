@@ -111,7 +111,7 @@ class TrainConfig:
     # steps in a row with a skip stop the run: training must never go on silently doing nothing.
     max_skipped_in_a_row: int = 3
     # Asynchronous training: batches are generated up to this many steps ahead, while the learner updates
-    # (launch/train.py's RolloutStream). 0: the synchronous loop. Pair it with `correction` (e.g. mode: tis),
+    # (apmpo.learner.collect.RolloutStream). 0: the synchronous loop. Pair it with `correction` (e.g. mode: tis),
     # which corrects the gap between the engine's (older) policy and the learner's.
     max_staleness: int = 0
     zero_stage: int = 2

@@ -20,7 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from apmpo.rollout.launcher import serve
-from apmpo.rollout.pool import ServerPool
 from apmpo.tiny import save_tiny_model
 
 

@@ -3,13 +3,16 @@
     deepspeed launch/train.py --config configs/quickstart.yaml [--set loss.name=grpo ...] [--resume]
     python launch/train.py --config configs/quickstart.yaml            # one process, no launcher
 
-One step, as in ARCHITECTURE.md: rank 0 samples B prompts, asks the generation server (a separate vLLM
-process) for G completions each, scores them and derives advantages and APMPO's p, FSS and eps_ada. Every
-rank receives the batch and computes the same plan: optimiser mini-batches, its token-balanced shard and
-token-budget micro-batches. Old (and reference) log-probs are recomputed in fp32, then each mini-batch is
-one optimiser step of DeepSpeed ZeRO-2. Rank 0 pushes the new weights into the server, logs, and every
-`save_every` steps all ranks write an atomic checkpoint. APMPO departs from GRPO only in the loss
-(apmpo/loss.py): a power mean of the clipped ratios whose power and upper clip follow the batch's rewards.
+One step, as in ARCHITECTURE.md: rank 0 samples B prompts, asks the generation server(s) (separate vLLM
+processes) for G completions each, scores them and derives advantages and APMPO's p, FSS and eps_ada (with
+train.max_staleness >= 1 the next batches are generated meanwhile, in a background thread). Every rank receives
+the batch and computes the same plan: optimiser mini-batches, its token-balanced shard and token-budget
+micro-batches. Reference log-probs, and the old ones when there is more than one optimiser step per batch, are
+computed first in fp32 (with one, the old log-probs are the update forward's own); then each mini-batch is one
+optimiser step of DeepSpeed ZeRO-2. Rank 0 pushes the new weights into the server(s), validates every
+eval.every steps, logs, and every `save_every` steps all ranks write an atomic checkpoint. APMPO departs from
+GRPO only in the loss (apmpo/loss.py): a power mean of the clipped ratios whose power and upper clip follow the
+batch's rewards.
 """
 from __future__ import annotations
 

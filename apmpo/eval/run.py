@@ -40,7 +40,7 @@ class EvalError(Exception):
 class Benchmark:
     name: str  # the key in samples.jsonl and results.json
     records: list[dict]  # apmpo.data records; each is its reward's `sample`
-    reward: str  # a registry name of apmpo.rewards: "math" | "sql" | "choice"
+    reward: str  # a reward of apmpo.rewards.get_reward: a registry name ("math", "sql", ...) or "pkg.module:function"
 
 
 def _items(spec: str) -> list[tuple[str, str]]:

@@ -117,8 +117,8 @@ def resume(engine, run_dir: Path, resume_from: str, rank: int) -> dict:
         raise RuntimeError(f"cannot resume: rank(s) {unreadable} cannot read checkpoint {choice!r}, which rank 0 "
                            f"resumes from (rank {rank} looked in {path}); multi-node runs need a run directory "
                            "shared by all nodes")
-    load_checkpoint(engine, path, rank)
-    return _broadcast(json.loads((path / "trainer_state.json").read_text()) if rank == 0 else None)
+    state = load_checkpoint(engine, path, rank)
+    return _broadcast(state if rank == 0 else None)
 
 
 def load_checkpoint(engine, path: Path, rank: int) -> dict:

@@ -44,11 +44,6 @@ class ServerPool:
     def urls(self) -> list[str]:
         return [client.url for client in self.clients]
 
-    def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        for client in self.clients:
-            client.wait_ready(timeout_s)
-        return self.info()
-
     def info(self) -> dict[str, Any]:
         """The first server's /info, after checking that all serve the same model at the same weight version."""
         infos = [client.info() for client in self.clients]
