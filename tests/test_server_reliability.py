@@ -26,6 +26,9 @@ BIG = dict(prompts=[[1 + i % 20, 2, 3] for i in range(4096)], n=64, temperature=
 
 
 # --- engine processes do not outlive their server ---
+# vLLM's multiprocess engine (an engine-core and a worker process), as on GPU; on CPU apmpo runs the engine in
+# the server's process (apmpo.rollout.vllm_compat.set_process_env), so these tests ask for it explicitly.
+MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def _group(pgid: int) -> list[int]:
@@ -52,6 +55,7 @@ def test_sigterm_to_a_hand_started_server_stops_its_engine(tiny_tied, tmp_path):
     # Started as a user would, without the launcher; and without VLLM_CPU_KVCACHE_SPACE, where the old default
     # --gpu-memory-utilization 0.9 failed on a machine with less than 90% of its memory free.
     env = {k: v for k, v in os.environ.items() if k not in ("APMPO_LAUNCHER_PID", "VLLM_CPU_KVCACHE_SPACE")}
+    env |= MULTIPROCESS
     port = free_port()
     with open(tmp_path / "server.log", "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "apmpo.rollout.server", "--model", str(tiny_tied),
@@ -71,7 +75,7 @@ def test_sigterm_to_a_hand_started_server_stops_its_engine(tiny_tied, tmp_path):
 
 def test_stop_after_the_server_was_killed_stops_its_engine(tiny_tied, tmp_path):
     server = start_server(str(tiny_tied), log_path=tmp_path / "server.log", dtype="float32", max_model_len=256,
-                          ready_timeout_s=300)
+                          ready_timeout_s=300, env=MULTIPROCESS)
     pgid = server.process.pid
     try:
         assert len(_group(pgid)) >= 3
@@ -113,7 +117,7 @@ def test_an_engine_error_fails_its_call_and_the_next_call_is_served(tiny_tied, t
     # The wedge below the server's validation: vLLM added the n=2 request's first sample, could not send the
     # second (its seed, 2**64, overflows msgpack), and LLM.generate's next call waited for the first forever.
     (tmp_path / "engine_script.py").write_text(ENGINE_SCRIPT)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **MULTIPROCESS}  # the wedge was in its msgpack path
     process = subprocess.Popen([sys.executable, str(tmp_path / "engine_script.py"), str(tiny_tied)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

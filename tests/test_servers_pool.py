@@ -142,7 +142,9 @@ def test_sigkill_of_the_launcher_takes_all_servers_and_engines_down(tiny_tied, t
     code = ("import sys; from apmpo.rollout.launcher import serve\n"
             f"with serve({str(tiny_tied)!r}, num_servers=2, log_path={str(tmp_path / 'server.log')!r}, "
             "dtype='float32', max_model_len=256): sys.stdin.read()")
-    launcher = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    # vLLM's multiprocess engine, as on GPU (on CPU the engine runs in the server's process): the harder case.
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     try:
         deadline = time.monotonic() + 300
         while len(_processes_of(launcher.pid)) < 4:  # 2 servers, each with its engine process at least
