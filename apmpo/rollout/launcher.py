@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import torch
+
 from apmpo.rollout.client import GenerationClient, ServerUnavailable
 from apmpo.rollout.net import bind_socket, is_loopback
 from apmpo.rollout.pool import ServerPool
@@ -177,6 +179,11 @@ def _launch(model: str, log_path: Path, devices: str | None, host: str, port: in
     child_env = {**os.environ, **(env or {})}
     if devices is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = devices
+    elif not torch.cuda.is_available():
+        # The CPU engine runs in the server's process (vllm_compat): its compute threads get every core but one, as
+        # vLLM's multiprocess engine bound its worker, the last for scheduling and HTTP. With all cores the
+        # engine thread's OpenMP team fought that work: a 128-token batch took 2.2 s against 0.9-1.8 s (2 cores).
+        child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
     if token is not None:
         child_env["APMPO_SERVER_TOKEN"] = token  # not on the command line, where `ps` would show it
     # The server takes its process group (itself and vLLM's engine processes) down once we are gone, even after
