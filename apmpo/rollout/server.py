@@ -276,7 +276,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         check_generate(req, limits, engine["max_model_len"], engine["vocab_size"], engine["multimodal"])
         params = [
             compat.sampling_params(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                   max_tokens=req.max_tokens, stop_token_ids=req.stop_token_ids, never_sample=never_sample,
+                                   max_tokens=req.max_tokens, stop_token_ids=req.stop_token_ids,
+                                   never_sample=never_sample,
                                    seed=None if req.seed is None else req.seed + i * req.n)
             for i in range(len(req.prompts))
         ]

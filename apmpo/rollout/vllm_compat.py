@@ -127,8 +127,8 @@ set_busy_loop()
 
 def skip_logprob_token_text() -> None:
     """vLLM decodes the token text of every log-prob it returns (LogprobsProcessor, token by token, in the
-    process that calls the engine): at 128 tokens a sample that was three quarters of the server's time in output
-    processing. apmpo reads only the numbers; built without a tokenizer, the processor decodes nothing
+    process that calls the engine): that process's CPU for a 13.8k-token generate was 1.10 s with it, 0.46 s
+    without. apmpo reads only the numbers; built without a tokenizer, the processor decodes nothing
     (`Logprob.decoded_token` None). The completion's own text is detokenized as before."""
     build = LogprobsProcessor.from_new_request.__func__
     if list(inspect.signature(build).parameters) != ["cls", "tokenizer", "request"]:
