@@ -13,7 +13,8 @@ over the run (the printed mean lengths show it).
 
 The baseline is TRL's GRPOTrainer (HF generate in process) when `trl` is importable, else a plain in-process
 GRPO step (HF generate, a log-prob forward of the policy and the reference, one backward, AdamW), written
-here. It runs with the threads apmpo's learner takes (apmpo.learner.engine: cores // (ranks + 1)).
+here. It runs with the threads apmpo's learner takes (apmpo.learner.engine.cpu_threads: every core in the
+synchronous loop), or `--baseline-threads`.
 
 Each figure is the median s/step after `--warmup` steps; apmpo's phase split comes from its metrics.jsonl
 (time/*), its start-up is the run's wall time less its steps. Runs alternate apmpo / baseline per setting.
@@ -39,8 +40,10 @@ BIG_VOCAB = 32000
 LR, BETA, PROMPTS, GROUP = 1e-7, 0.001, 16, 8
 
 
-def learner_threads() -> int:
-    return max(1, (os.cpu_count() or 1) // 2)  # one learner rank: apmpo.learner.engine.init_distributed's rule
+def learner_threads(max_staleness: int = 0) -> int:
+    from apmpo.learner.engine import cpu_threads
+
+    return cpu_threads(os.cpu_count() or 1, world_size=1, generates_meanwhile=max_staleness > 0)
 
 
 # --- models ----------------------------------------------------------------------------------------------------
@@ -79,12 +82,12 @@ def _padded_tokenizer(tokenizer):
 # --- apmpo -----------------------------------------------------------------------------------------------------
 
 
-def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path) -> dict:
+def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path, max_staleness: int = 0) -> dict:
     sets = {"model.path": model, "model.dtype": "fp32", "rollout.prompts_per_step": PROMPTS,
             "rollout.group_size": GROUP, "rollout.max_tokens": tokens, "rollout.max_model_len": tokens + 64,
             "train.mini_batch_size": PROMPTS, "train.steps": steps, "loss.kl_beta": BETA, "optim.lr": LR,
             "optim.warmup_steps": 0, "checkpoint.save_every": 0, "logging.tensorboard": "false",
-            "logging.output_dir": out, "logging.run_name": "apmpo"}
+            "logging.output_dir": out, "logging.run_name": "apmpo", "train.max_staleness": max_staleness}
     command = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs/quickstart.yaml"),
                *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]]
     start = time.perf_counter()
@@ -103,8 +106,8 @@ def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path) -> d
 # --- baseline (in a process of its own, like apmpo's run) ------------------------------------------------------
 
 
-def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path) -> dict:
-    command = [sys.executable, __file__, "--baseline-run", str(model), str(tokens), str(steps), str(out)]
+def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path, threads: int) -> dict:
+    command = [sys.executable, __file__, "--baseline-run", str(model), str(tokens), str(steps), str(out), str(threads)]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - start
@@ -116,10 +119,10 @@ def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path) -
             "startup": wall - sum(result["steps"]), "name": result["name"]}
 
 
-def baseline_main(model: str, tokens: int, steps: int, out: Path) -> None:
+def baseline_main(model: str, tokens: int, steps: int, out: Path, threads: int) -> None:
     import torch
 
-    torch.set_num_threads(learner_threads())
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     try:
         import trl  # noqa: F401
@@ -246,29 +249,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--rounds", type=int, default=1, help="apmpo / baseline pairs per setting")
-    parser.add_argument("--baseline-run", nargs=4, metavar=("MODEL", "TOKENS", "STEPS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-threads", type=int, default=None, help="default: as apmpo's learner")
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="apmpo's train.max_staleness: 1 generates the next batch while the learner updates "
+                             "(one step off-policy, unlike the baseline)")
+    parser.add_argument("--baseline-run", nargs=5, metavar=("MODEL", "TOKENS", "STEPS", "OUT", "THREADS"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline_run:
-        model, tokens, steps, out = args.baseline_run
-        return baseline_main(model, int(tokens), int(steps), Path(out))
+        model, tokens, steps, out, threads = args.baseline_run
+        return baseline_main(model, int(tokens), int(steps), Path(out), int(threads))
     if args.tiny:
         args.sizes, args.tokens, args.steps, args.warmup = ["quickstart"], [8], 3, 1
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 
+    threads = args.baseline_threads or learner_threads()
     root = Path(tempfile.mkdtemp(prefix="apmpo_step_time_"))
     models = save_models(root, args.sizes)
     load = os.getloadavg()[0]
     print(f"{os.cpu_count()} cores, load {load:.1f} at start; {PROMPTS} prompts x {GROUP} samples, beta {BETA}, fp32; "
-          f"baseline threads {learner_threads()}; median of steps {args.warmup + 1}-{args.steps}, "
+          f"apmpo learner threads {learner_threads(args.max_staleness)}, baseline threads {threads}, apmpo max_staleness "
+          f"{args.max_staleness}; median of steps {args.warmup + 1}-{args.steps}, "
           f"{args.rounds} round(s)", flush=True)
     for size in args.sizes:
         for tokens in args.tokens:
             ours, theirs = [], []
             for r in range(args.rounds):
-                ours.append(run_apmpo(models[size], tokens, args.steps, args.warmup, root / f"{size}_{tokens}_{r}"))
+                ours.append(run_apmpo(models[size], tokens, args.steps, args.warmup, root / f"{size}_{tokens}_{r}",
+                                      args.max_staleness))
                 theirs.append(run_baseline(models[size], tokens, args.steps, args.warmup,
-                                           root / f"{size}_{tokens}_{r}"))
+                                           root / f"{size}_{tokens}_{r}", threads))
             a = {k: statistics.median(run[k] for run in ours) for k in ours[0]}
             b = {k: statistics.median(run[k] for run in theirs) for k in ("step", "length", "startup")}
             phases = ", ".join(f"{p} {a[p]:.3f}" for p in PHASES)

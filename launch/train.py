@@ -43,7 +43,7 @@ from apmpo.rollout.launcher import serve
 
 
 def main(cfg: Config, resume: str) -> None:
-    dist = init_distributed(cfg.train.dist_timeout_s)
+    dist = init_distributed(cfg.train.dist_timeout_s, generates_meanwhile=cfg.train.max_staleness > 0)
     torch.manual_seed(cfg.train.seed + dist.rank)
     run_dir = cfg.run_dir
 

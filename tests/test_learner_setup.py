@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from apmpo.config import ConfigError, load_config
-from apmpo.learner.engine import check_devices, load_model
+from apmpo.learner.engine import check_devices, cpu_threads, load_model
 from apmpo.rollout.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +46,12 @@ def test_dist_timeout_default_is_at_least_two_hours():
 
 def gpu_config(devices, weight_sync="auto"):
     return load_config(None, [f"rollout.devices={devices!r}", f"rollout.weight_sync={weight_sync}"])
+
+
+@pytest.mark.parametrize("cores, ranks, meanwhile, threads", [
+    (2, 1, False, 2), (2, 1, True, 1), (16, 2, False, 8), (16, 2, True, 5), (2, 2, False, 1), (2, 4, True, 1)])
+def test_cpu_ranks_take_every_core_unless_the_server_generates_meanwhile(cores, ranks, meanwhile, threads):
+    assert cpu_threads(cores, ranks, generates_meanwhile=meanwhile) == threads
 
 
 def test_gpu_devices_without_cuda_are_refused():

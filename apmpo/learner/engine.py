@@ -29,10 +29,11 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed(timeout_s: float = 7200.0) -> Dist:
+def init_distributed(timeout_s: float = 7200.0, generates_meanwhile: bool = True) -> Dist:
     """Starts torch.distributed through DeepSpeed (gloo on CPU, NCCL on GPU); also works without a launcher.
     `timeout_s` bounds every collective: ranks 1..N wait in the batch broadcast while rank 0 starts the server
-    and generates, so it must exceed the longest rollout (train.dist_timeout_s)."""
+    and generates, so it must exceed the longest rollout (train.dist_timeout_s). `generates_meanwhile`: a
+    generation server computes while the learner does (train.max_staleness >= 1); on CPU it then keeps a core."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
@@ -48,17 +49,21 @@ def init_distributed(timeout_s: float = 7200.0) -> Dist:
         # communication backend. Only its inference all-reduce uses it; ZeRO's collectives go through gloo.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
-        # The learner ranks share the cores with the generation server. Oversubscribed OpenMP threads spin
-        # against each other, so each rank takes an equal share, leaving one for the server. Re-measured once
-        # vLLM's 1 s busy-wait was off (benchmarks/step_time.py, quickstart model, 64 tokens, a busy 2-core box):
-        # 1 thread 2.2-2.7 s/step, 2 threads 8.5-8.9 s/step (log-probs 0.28 s vs 1.7-2.1 s).
-        world_size = int(os.environ["WORLD_SIZE"])
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world_size + 1)))
+        torch.set_num_threads(cpu_threads(os.cpu_count() or 1, int(os.environ["WORLD_SIZE"]), generates_meanwhile))
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                timeout=datetime.timedelta(seconds=timeout_s))
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device)
+
+
+def cpu_threads(cores: int, world_size: int, generates_meanwhile: bool) -> int:
+    """Compute threads of each CPU learner rank. In the synchronous loop the server is idle while the learner
+    computes, so the ranks share every core: on 2 cores, 2 threads against 1 took the quickstart's log-probs from
+    0.21 to 0.14 s and its update from 0.67 to 0.46 s (64 tokens; the CPU engine in the server's process, its
+    one OpenMP thread idle). When the server generates meanwhile, it keeps a core: oversubscribed OpenMP teams
+    spin against each other (with vLLM's engine processes busy beside it, 2 threads made a step 3-4x slower)."""
+    return max(1, cores // (world_size + generates_meanwhile))
 
 
 def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int | None = None) -> bool:
