@@ -43,25 +43,26 @@ from apmpo.rollout.launcher import serve
 
 
 def main(cfg: Config, resume: str) -> None:
-    dist = init_distributed(cfg.train.dist_timeout_s, generates_meanwhile=cfg.train.max_staleness > 0)
-    torch.manual_seed(cfg.train.seed + dist.rank)
+    is_main = int(os.environ.get("RANK", "0")) == 0  # the launcher's; the process group comes after the server
     run_dir = cfg.run_dir
-
-    model_path = prepare_model(cfg, dist.is_main)
+    model_path = prepare_model(cfg, is_main)
     with contextlib.ExitStack() as stack:
         # -------------------------------------------------------------- generation server (rank 0), started first
-        if dist.is_main:
+        if is_main:
             save_config(cfg, run_dir / "config.yaml")
             r = cfg.rollout
-            # Its engine loads while the learner does (wait_ready below), unless it shares rank 0's GPU: vLLM
-            # sizes its KV cache from the free memory it measures while it loads. One server (a GenerationClient),
-            # or several (a ServerPool: prompts spread over them, weights to all).
+            # Its engine loads while the learner imports DeepSpeed and loads (wait_ready below), unless it shares
+            # rank 0's GPU: vLLM sizes its KV cache from the free memory it measures while it loads. One server
+            # (a GenerationClient), or several (a ServerPool: prompts spread over them, weights to all).
             server = stack.enter_context(serve(
                 model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
                 log_path=run_dir / "server.log", devices=r.devices,
                 num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
                 dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=check_devices(cfg)))
+        dist = init_distributed(cfg.train.dist_timeout_s, generates_meanwhile=cfg.train.max_staleness > 0)
+        torch_dist.barrier()  # rank 0 has written the model (model.path quickstart)
+        torch.manual_seed(cfg.train.seed + dist.rank)
 
         # -------------------------------------------------------------- model, data, engine
         tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -5,7 +5,6 @@ the model is written into the run directory by rank 0, so every process and the 
 """
 from __future__ import annotations
 
-import torch.distributed as torch_dist
 
 from apmpo.config import Config
 from apmpo.data import encode_prompt, load_records
@@ -13,6 +12,8 @@ from apmpo.data.vision import VisionInputs, is_vision_language
 
 
 def prepare_model(cfg: Config, is_main: bool) -> str:
+    """The policy's path; for model.path "quickstart", rank 0 writes the model first (before any process group
+    exists: the other ranks must wait for it, e.g. in a barrier, before they read it)."""
     if cfg.model.path != "quickstart":
         return cfg.model.path
     from apmpo.quickstart import save_quickstart_model
@@ -20,8 +21,6 @@ def prepare_model(cfg: Config, is_main: bool) -> str:
     path = cfg.run_dir / "model"
     if is_main and not (path / "config.json").is_file():
         save_quickstart_model(path, seed=cfg.train.seed)
-    if torch_dist.is_initialized():
-        torch_dist.barrier()
     return str(path)
 
 
