@@ -145,10 +145,13 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
                   port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
                   tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
                   seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                  ready_timeout_s: float = 900.0, wait: bool = True) -> list[ServerProcess]:
+                  ready_timeout_s: float = 900.0, wait: bool = True, cpu_threads: int | None = None
+                  ) -> list[ServerProcess]:
     """Starts one server per entry of `devices` (its CUDA_VISIBLE_DEVICES, or None), all at once, and returns once
     every one is ready; if any fails, stops them all and raises ServerStartError naming it. `wait=False` returns
-    at once: the caller does other work while the engines load, then calls `wait_ready`."""
+    at once: the caller does other work while the engines load, then calls `wait_ready`. `cpu_threads`: each
+    CPU server's OpenMP threads (default every core but one; see cpu_server_threads), unless the environment
+    sets OMP_NUM_THREADS."""
     if token is not None and not token.strip():
         raise ValueError("token is empty: pass None (a loopback server needs none) or a secret")
     if port is not None and len(devices) > 1:
@@ -162,7 +165,7 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
             servers.append(_launch(model, Path(log_path), group, host, port, token, [
                 "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
                 "--tensor-parallel-size", str(tp), "--seed", str(seed), *extra_args,
-                *(["--max-model-len", str(max_model_len)] if max_model_len is not None else [])], env))
+                *(["--max-model-len", str(max_model_len)] if max_model_len is not None else [])], env, cpu_threads))
         if wait:
             _wait_until_ready(servers, ready_timeout_s)
     except BaseException:  # incl. Ctrl-C during the start
@@ -172,7 +175,7 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
 
 
 def _launch(model: str, log_path: Path, devices: str | None, host: str, port: int | None, token: str | None,
-            args: list[str], env: dict[str, str] | None) -> ServerProcess:
+            args: list[str], env: dict[str, str] | None, cpu_threads: int | None = None) -> ServerProcess:
     # Bound here and inherited by the server, so that no other process can take the port in between.
     listener = bind_socket(host, port or 0)
     port = listener.getsockname()[1]
@@ -180,10 +183,9 @@ def _launch(model: str, log_path: Path, devices: str | None, host: str, port: in
     if devices is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = devices
     elif not torch.cuda.is_available():
-        # The CPU engine runs in the server's process (vllm_compat): its compute threads get every core but one, as
-        # vLLM's multiprocess engine bound its worker, the last for scheduling and HTTP. With all cores the
-        # engine thread's OpenMP team fought that work: a 128-token batch took 2.2 s against 0.9-1.8 s (2 cores).
-        child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
+        # The CPU engine runs in the server's process (vllm_compat): by default its compute threads get every core
+        # but one, as vLLM's multiprocess engine bound its worker, the last for scheduling and HTTP.
+        child_env.setdefault("OMP_NUM_THREADS", str(cpu_threads or max(1, (os.cpu_count() or 1) - 1)))
     if token is not None:
         child_env["APMPO_SERVER_TOKEN"] = token  # not on the command line, where `ps` would show it
     # The server takes its process group (itself and vLLM's engine processes) down once we are gone, even after
@@ -224,6 +226,26 @@ def _wait_until_ready(servers: list[ServerProcess], timeout_s: float) -> None:
     finally:
         for client in clients.values():
             client.close()
+
+
+# From this hidden size on, a CPU server's matmuls outweigh its engine's Python work per decode step. Measured on
+# 2 cores, 16 prompts x 8 samples, 64 tokens, through the server: 4 layers x 512 with a 32k vocabulary took 13.4 s
+# with 2 OpenMP threads against 23.3 s with 1; the quickstart's 2 x 128 took 1.5 s with 2 against 0.9-1.4 s with
+# 1 (its engine thread, which schedules every step, then shared its core with the OpenMP team).
+COMPUTE_BOUND_HIDDEN_SIZE = 512
+
+
+def cpu_server_threads(model: str, num_servers: int, learner_computes_meanwhile: bool,
+                       cores: int | None = None) -> int:
+    """OpenMP threads for each of `num_servers` CPU servers of `model`: every core but one, which the engine's
+    scheduling needs; every core for a model whose matmuls dominate when the learner is idle meanwhile (the
+    synchronous loop). The servers split them."""
+    from transformers import AutoConfig
+
+    cores = cores or os.cpu_count() or 1
+    hidden_size = AutoConfig.from_pretrained(model).get_text_config().hidden_size
+    whole = not learner_computes_meanwhile and hidden_size >= COMPUTE_BOUND_HIDDEN_SIZE
+    return max(1, (cores if whole else cores - 1) // num_servers)
 
 
 @contextlib.contextmanager
