@@ -18,8 +18,9 @@ synchronous loop), or `--baseline-threads`.
 
 Each figure is the median s/step after `--warmup` steps; apmpo's phase split comes from its metrics.jsonl
 (time/*), its start-up is the run's wall time less its steps. Runs alternate apmpo / baseline per setting.
-Cost on 2 cores: the quickstart model takes seconds a step; the 4x512 one minutes (one apmpo step at 64 tokens
-measured 305 s under a load of ~12), so pass `--sizes quickstart` on a small machine.
+Cost on 2 cores: the quickstart model takes seconds a step; the 4x512 one about a minute at 64 tokens (apmpo
+49 s, TRL 85 s on an idle machine; the whole default run takes about an hour), so pass `--sizes quickstart` on a
+small machine.
 """
 from __future__ import annotations
 
