@@ -39,7 +39,7 @@ from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
 from apmpo.loss import AdaptiveParams, adaptive_params, policy_loss
 from apmpo.rewards import RewardPool, get_reward
-from apmpo.rollout.launcher import cpu_server_threads, serve, server_groups
+from apmpo.rollout.launcher import serve
 
 
 def main(cfg: Config, resume: str) -> None:
@@ -60,8 +60,7 @@ def main(cfg: Config, resume: str) -> None:
                 num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
                 dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=check_devices(cfg),
-                cpu_threads=cpu_server_threads(model_path, len(server_groups(r.devices, r.num_servers)),
-                                               learner_computes_meanwhile=cfg.train.max_staleness > 0)))
+                learner_idle=cfg.train.max_staleness == 0))
         dist = init_distributed(cfg.train.dist_timeout_s, generates_meanwhile=cfg.train.max_staleness > 0)
         torch_dist.barrier()  # rank 0 has written the model (model.path quickstart)
         torch.manual_seed(cfg.train.seed + dist.rank)

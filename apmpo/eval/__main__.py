@@ -215,7 +215,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from apmpo.rewards import RewardPool  # noqa: PLC0415
-    from apmpo.rollout.launcher import cpu_server_threads, serve, server_groups  # noqa: PLC0415
+    from apmpo.rollout.launcher import serve  # noqa: PLC0415
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -225,8 +225,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
     start_kwargs = ({"ready_timeout_s": args.server_timeout} if args.server else
                     {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,
                      "max_model_len": args.max_model_len, "dtype": args.dtype, "num_servers": args.num_servers,
-                     "cpu_threads": cpu_server_threads(model, len(server_groups(args.devices, args.num_servers)),
-                                                       learner_computes_meanwhile=False)})
+                     "learner_idle": True})
     log(f"connecting to {', '.join(args.server)}" if args.server else
         f"starting generation server(s) on {model} (log: {args.out / 'server.log'}, or server.<k>.log for several)")
     tick = time.monotonic()

@@ -5,7 +5,6 @@ the model is written into the run directory by rank 0, so every process and the 
 """
 from __future__ import annotations
 
-
 from apmpo.config import Config
 from apmpo.data import encode_prompt, load_records
 from apmpo.data.vision import VisionInputs, is_vision_language

@@ -145,19 +145,20 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
                   port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
                   tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
                   seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                  ready_timeout_s: float = 900.0, wait: bool = True, cpu_threads: int | None = None
+                  ready_timeout_s: float = 900.0, wait: bool = True, learner_idle: bool = False
                   ) -> list[ServerProcess]:
     """Starts one server per entry of `devices` (its CUDA_VISIBLE_DEVICES, or None), all at once, and returns once
     every one is ready; if any fails, stops them all and raises ServerStartError naming it. `wait=False` returns
-    at once: the caller does other work while the engines load, then calls `wait_ready`. `cpu_threads`: each
-    CPU server's OpenMP threads (default every core but one; see cpu_server_threads), unless the environment
-    sets OMP_NUM_THREADS."""
+    at once: the caller does other work while the engines load, then calls `wait_ready`. `learner_idle`: nothing
+    computes while these servers generate (the synchronous loop, evaluation); on CPU their OpenMP threads follow
+    cpu_server_threads, unless the environment sets OMP_NUM_THREADS."""
     if token is not None and not token.strip():
         raise ValueError("token is empty: pass None (a loopback server needs none) or a secret")
     if port is not None and len(devices) > 1:
         raise ValueError("several servers take free ports: pass port=None")
     if token is None and not is_loopback(host):
         token = secrets.token_urlsafe(24)
+    cpu_threads = None if torch.cuda.is_available() else cpu_server_threads(model, len(devices), not learner_idle)
     servers: list[ServerProcess] = []
     try:
         for log_path, group in zip(log_paths, devices, strict=True):
@@ -175,7 +176,7 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
 
 
 def _launch(model: str, log_path: Path, devices: str | None, host: str, port: int | None, token: str | None,
-            args: list[str], env: dict[str, str] | None, cpu_threads: int | None = None) -> ServerProcess:
+            args: list[str], env: dict[str, str] | None, cpu_threads: int | None) -> ServerProcess:
     # Bound here and inherited by the server, so that no other process can take the port in between.
     listener = bind_socket(host, port or 0)
     port = listener.getsockname()[1]
@@ -183,9 +184,9 @@ def _launch(model: str, log_path: Path, devices: str | None, host: str, port: in
     if devices is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = devices
     elif not torch.cuda.is_available():
-        # The CPU engine runs in the server's process (vllm_compat): by default its compute threads get every core
-        # but one, as vLLM's multiprocess engine bound its worker, the last for scheduling and HTTP.
-        child_env.setdefault("OMP_NUM_THREADS", str(cpu_threads or max(1, (os.cpu_count() or 1) - 1)))
+        # The CPU engine runs in the server's process (vllm_compat): cpu_server_threads says how many compute
+        # threads it gets.
+        child_env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
     if token is not None:
         child_env["APMPO_SERVER_TOKEN"] = token  # not on the command line, where `ps` would show it
     # The server takes its process group (itself and vLLM's engine processes) down once we are gone, even after
@@ -243,8 +244,9 @@ def cpu_server_threads(model: str, num_servers: int, learner_computes_meanwhile:
     from transformers import AutoConfig
 
     cores = cores or os.cpu_count() or 1
-    hidden_size = AutoConfig.from_pretrained(model).get_text_config().hidden_size
-    whole = not learner_computes_meanwhile and hidden_size >= COMPUTE_BOUND_HIDDEN_SIZE
+    # The config is read only when it matters: a server on a bad path then fails with its own error.
+    whole = (not learner_computes_meanwhile
+             and AutoConfig.from_pretrained(model).get_text_config().hidden_size >= COMPUTE_BOUND_HIDDEN_SIZE)
     return max(1, (cores if whole else cores - 1) // num_servers)
 
 
