@@ -1,4 +1,5 @@
 """Verifiers (math, SQL, choice), the registry and the batch scorer, on real math-verify and sqlite."""
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -7,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -238,6 +240,8 @@ def raising_reward(completion: str, sample: dict) -> float:
 def sleeping_reward(completion: str, sample: dict) -> float:
     if completion == "hang":
         time.sleep(3600)
+    if completion.startswith("sleep "):
+        time.sleep(float(completion.split()[1]))
     return 1.0
 
 
@@ -289,6 +293,29 @@ def test_batch_hung_and_dead_workers_are_replaced():
         assert scores == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and summary["crashes"] == summary["failures"] == 1
         # The pool still works after its workers were killed and replaced.
         assert pool.score("math", ["\\boxed{2}"], [{"answer": "2"}])[0] == [1.0]
+
+
+def test_batch_each_item_gets_the_whole_timeout_though_items_wait_in_the_pipe():
+    # One worker, an item queued behind each running one: 3 items of 0.6 s take 1.8 s, past the 1 s timeout,
+    # yet each ran within it; and the items queued behind a hang are scored by its replacement.
+    with RewardPool(num_workers=1, timeout_s=1.0) as pool:
+        pool.score(sleeping_reward, ["ok"], [{}])  # the worker is up
+        scores, summary = pool.score(sleeping_reward, ["sleep 0.6"] * 3, [{}] * 3)
+        assert scores == [1.0] * 3 and summary["failures"] == 0
+        scores, summary = pool.score(sleeping_reward, ["ok", "hang", "ok", "ok"], [{}] * 4)
+        assert scores == [1.0, 0.0, 1.0, 1.0]
+        assert summary["timeouts"] == summary["failures"] == 1 and summary["first_error"] == "item 1 ran past 1.0s"
+
+
+def test_batch_a_large_item_never_waits_in_the_pipe_of_a_hung_worker():
+    # Queued behind the hang, 1 MB would fill the pipe and block the pool in send() past every timeout.
+    big = "ok" + " " * 1_000_000
+    with RewardPool(num_workers=1, timeout_s=1.0) as pool:
+        result = concurrent.futures.Future()
+        threading.Thread(target=lambda: result.set_result(pool.score(sleeping_reward, ["hang", big, big], [{}] * 3)),
+                         daemon=True).start()
+        scores, summary = result.result(timeout=30)
+        assert scores == [0.0, 1.0, 1.0] and summary["timeouts"] == 1
 
 
 def test_batch_non_finite_and_non_numeric_rewards_are_failures(caplog):

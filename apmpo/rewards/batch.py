@@ -20,6 +20,7 @@ the caller's `__main__` (see `_Worker`): a reward must live in an importable mod
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -29,6 +30,7 @@ import sys
 import time
 import types
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Sequence
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,12 @@ Reward = str | Callable[[str, dict], float]
 _CONTEXT = mp.get_context("forkserver")
 # Workers fork from a server that has already imported the verifiers (sympy takes ~1 s to import).
 _CONTEXT.set_forkserver_preload(["apmpo.rewards"])
+# Items sent to a worker ahead of its answers: the running one and one waiting. More would hold items behind a
+# slow one (sympy can take seconds) that another worker, once idle, could have taken.
+IN_FLIGHT = 2
+# A waiting item is sent only if the pipe's buffer surely takes it at once (Linux: about 200 KiB): this process
+# must never block on a send to a worker stuck on its running item. Larger items wait for an idle worker.
+MAX_QUEUED_BYTES = 64 * 1024
 
 
 def _worker_main(conn: Connection) -> None:
@@ -90,8 +98,8 @@ class _Worker:
         with _main_module_hidden():
             self.process.start()
         child_conn.close()
-        self.item: int | None = None
-        self.deadline = 0.0
+        self.items: list[int] = []  # sent, not yet answered; the first is running, the rest wait in the pipe
+        self.deadline = 0.0  # of the running item
 
     def kill(self) -> None:
         self.process.kill()
@@ -136,53 +144,86 @@ class RewardPool:
         start = time.monotonic()
         scores = [0.0] * len(completions)
         summary = {"n": len(completions), "errors": 0, "timeouts": 0, "crashes": 0, "first_error": None}
-        pending = iter(range(len(completions)))
+        pending = collections.deque(range(len(completions)))
         busy: dict[Connection, _Worker] = {}
+        encoded: dict[int, bytes] = {}  # pickled items that waited for an idle worker
+
+        def item_deadline() -> float:  # of the item a worker starts now
+            own = time.monotonic() + self.timeout_s
+            return own if deadline is None else min(own, deadline)
 
         def dispatch(worker: _Worker) -> None:
-            index = next(pending, None) if deadline is None or time.monotonic() < deadline else None
-            if index is None:
+            """One more item into `worker`'s pipe. A busy worker reads its next item while this process collects the
+            last answer: with one item in flight it waited a round trip per item (128 cheap items: 27 -> 8 ms)."""
+            if not pending or (deadline is not None and time.monotonic() >= deadline):
                 return
+            index = pending[0]
+            task = encoded.pop(index, None) or ForkingPickler.dumps((reward, completions[index], samples[index]))
+            if worker.items and len(task) > MAX_QUEUED_BYTES:  # behind a hung item it could block this process
+                encoded[index] = task
+                return
+            pending.popleft()
             try:
-                worker.conn.send((reward, completions[index], samples[index]))
-            except (BrokenPipeError, ConnectionResetError):  # it died while idle (OOM killer): not this item's fault
-                worker = self._replace(worker)
-                worker.conn.send((reward, completions[index], samples[index]))
-            worker.item, worker.deadline = index, time.monotonic() + self.timeout_s
-            if deadline is not None:
-                worker.deadline = min(worker.deadline, deadline)
+                worker.conn.send_bytes(task)
+            except (BrokenPipeError, ConnectionResetError):
+                if worker.items:  # it died on its current item: its answer's EOF reports the crash
+                    pending.appendleft(index)
+                    encoded[index] = task
+                    return
+                worker = self._replace(worker)  # it died while idle (OOM killer): not this item's fault
+                worker.conn.send_bytes(task)
+            if not worker.items:
+                worker.deadline = item_deadline()
+            worker.items.append(index)
             busy[worker.conn] = worker
 
-        for worker in list(self._workers):
-            dispatch(worker)
+        def requeue(worker: _Worker) -> None:
+            """`worker` is being replaced: the items queued behind its current one never started."""
+            pending.extendleft(reversed(worker.items[1:]))
+            worker.items.clear()
+
+        for depth in range(IN_FLIGHT):  # round robin: every worker gets an item before any gets a second
+            for worker in list(self._workers):
+                if len(worker.items) == depth:
+                    dispatch(worker)
         while busy:
             next_deadline = min(w.deadline for w in busy.values())
             for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
-                worker = busy.pop(conn)
+                worker = busy[conn]
                 try:
                     status, value = conn.recv()
                 except (EOFError, OSError):  # the worker died: segfault, os._exit, out of memory
+                    del busy[conn]
                     worker.process.join(timeout=5.0)  # its pipe closes an instant before it is reaped
                     self._record_failure(summary, "crashes", f"worker exited with code {worker.process.exitcode}")
+                    requeue(worker)
                     self._replace(worker)
                     continue
+                index = worker.items.pop(0)
                 if status == "ok":
-                    scores[worker.item] = value
+                    scores[index] = value
                 else:
                     self._record_failure(summary, "errors", value)
+                if worker.items:
+                    worker.deadline = item_deadline()  # the next queued item starts now
+                else:
+                    del busy[conn]
             now = time.monotonic()
-            for conn, worker in list(busy.items()):
+            for conn, worker in sorted(busy.items(), key=lambda item: item[1].items[0]):  # first items first
                 if worker.deadline <= now:
                     del busy[conn]
                     late = deadline is not None and worker.deadline == deadline
-                    self._record_failure(summary, "timeouts", f"item {worker.item} ran past the call's deadline"
-                                         if late else f"item {worker.item} ran past {self.timeout_s}s")
+                    index = worker.items[0]
+                    self._record_failure(summary, "timeouts", f"item {index} ran past the call's deadline"
+                                         if late else f"item {index} ran past {self.timeout_s}s")
+                    requeue(worker)
                     self._replace(worker)
-            # Idle workers, replacements included, take the next items.
-            for worker in self._workers:
-                if worker.conn not in busy:
-                    dispatch(worker)
-        unstarted = sum(1 for _ in pending)  # left at the deadline
+            # Workers with room, replacements included, take the next items (the first items first).
+            for depth in range(IN_FLIGHT):
+                for worker in list(self._workers):
+                    if len(worker.items) == depth:
+                        dispatch(worker)
+        unstarted = len(pending)  # left at the deadline
         if unstarted:
             self._record_failure(summary, "timeouts", f"{unstarted} item(s) not started by the call's deadline",
                                  unstarted)
