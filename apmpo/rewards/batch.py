@@ -182,10 +182,15 @@ class RewardPool:
             pending.extendleft(reversed(worker.items[1:]))
             worker.items.clear()
 
-        for depth in range(IN_FLIGHT):  # round robin: every worker gets an item before any gets a second
-            for worker in list(self._workers):
-                if len(worker.items) == depth:
-                    dispatch(worker)
+        def fill() -> None:
+            """Workers with room, replacements included, take the next items, round robin: every worker gets an
+            item before any gets a second."""
+            for depth in range(IN_FLIGHT):
+                for worker in list(self._workers):
+                    if len(worker.items) == depth:
+                        dispatch(worker)
+
+        fill()
         while busy:
             next_deadline = min(w.deadline for w in busy.values())
             for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
@@ -218,11 +223,7 @@ class RewardPool:
                                          if late else f"item {index} ran past {self.timeout_s}s")
                     requeue(worker)
                     self._replace(worker)
-            # Workers with room, replacements included, take the next items (the first items first).
-            for depth in range(IN_FLIGHT):
-                for worker in list(self._workers):
-                    if len(worker.items) == depth:
-                        dispatch(worker)
+            fill()
         unstarted = len(pending)  # left at the deadline
         if unstarted:
             self._record_failure(summary, "timeouts", f"{unstarted} item(s) not started by the call's deadline",
