@@ -115,6 +115,24 @@ def test_engine_logprobs_match_hf(client, tiny_tied, temperature):
             torch.testing.assert_close(torch.tensor(sample.logprobs), hf, atol=LOGPROB_ATOL, rtol=0)
 
 
+def test_the_samples_of_a_prompt_share_its_prefill_and_stay_exact(client, tiny_tied):
+    # The n samples of a prompt are n requests in one engine step; the later ones reuse the first one's whole
+    # prompt blocks (prefix cache). On CPU the blocks are 32 tokens (vLLM's default 128 shares no prompt under
+    # 128 tokens), so two of this 70-token prompt's three blocks are computed once for all 4 samples; the
+    # samples that read them must still get the model's log-probs.
+    if not torch.cuda.is_available():  # on a GPU, vLLM's attention backend picks it (16 for most)
+        assert client.info()["kv_block_size"] == 32
+    prompt = [3 + (j * 11) % 300 for j in range(70)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32).eval()
+    [row] = client.generate([prompt], n=4, temperature=1.0, max_tokens=8, seed=11)
+    assert len({tuple(s.token_ids) for s in row}) > 1
+    for sample in row:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1 : -1]
+        hf = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(sample.logprobs), hf, atol=LOGPROB_ATOL, rtol=0)
+
+
 # --- errors ---
 
 

@@ -102,6 +102,7 @@ class InfoResponse(BaseModel):
     weight_version: int
     num_workers: int
     multimodal: bool
+    kv_block_size: int  # the n samples of a prompt share its whole blocks of this many tokens (prefix cache)
     device_uuids: list[str]  # one per worker; empty strings on CPU
     limits: dict[str, float]
 
