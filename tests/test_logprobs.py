@@ -98,6 +98,67 @@ def test_no_grad_loops_chunks_with_the_same_values():
     torch.testing.assert_close(old_logp, logp.detach(), rtol=0, atol=0)
 
 
+# --------------------------------------------------------------------------- rows sharing a prompt (a group's samples)
+
+
+def make_group_batch(vocab: int, groups: int = 3, per_group: int = 4, length: int = 30, seed: int = 0):
+    """As make_batch, but `per_group` rows share each prompt (prompts of different lengths), rows shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    n = groups * per_group
+    input_ids = torch.full((n, length), tokenizer().pad_token_id)
+    attention_mask = torch.zeros(n, length, dtype=torch.long)
+    logits_mask = torch.zeros(n, length, dtype=torch.bool)
+    for group in range(groups):
+        prompt = torch.randint(0, vocab, (int(torch.randint(2, 12, (), generator=g)),), generator=g)
+        for i in range(group * per_group, (group + 1) * per_group):
+            total = length if i == n - 1 else int(torch.randint(len(prompt) + 1, length + 1, (), generator=g))
+            input_ids[i, : len(prompt)] = prompt
+            input_ids[i, len(prompt) : total] = torch.randint(0, vocab, (total - len(prompt),), generator=g)
+            attention_mask[i, :total] = 1
+            logits_mask[i, len(prompt) : total] = True
+    order = torch.randperm(n, generator=g)
+    return input_ids[order], attention_mask[order], logits_mask[order]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_rows_sharing_a_prompt_match_naive_values_entropy_and_gradients(tied, temperature):
+    model = make_model(tied)
+    batch = make_group_batch(len(tokenizer()), seed=int(tied))
+    weights = torch.randn(batch[0].shape, generator=torch.Generator().manual_seed(1))
+
+    logp, entropy = token_logprobs(model, *batch, temperature=temperature, chunk_tokens=7, with_entropy=True)
+    ref_logp, ref_entropy = reference(model, *batch, temperature)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+    grads, ref_grads = grads_of(model, logp, weights), grads_of(model, ref_logp, weights)
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_shared_prompt_runs_once(monkeypatch):
+    model = make_model(tied=True)
+    input_ids, attention_mask, logits_mask = make_group_batch(len(tokenizer()), groups=3, per_group=4)
+    seen = []
+    backbone = model.model.forward
+    monkeypatch.setattr(model.model, "forward", lambda **kw: seen.append(kw["input_ids"].shape) or backbone(**kw))
+    token_logprobs(model, input_ids, attention_mask, logits_mask)
+    prompt_lengths = logits_mask.int().argmax(1)
+    # The 3 distinct prompts once, then the 12 rows from their prompt's end (less the last token: it predicts none).
+    assert seen == [(3, int(prompt_lengths.max())), (12, input_ids.shape[1] - int(prompt_lengths.min()) - 1)]
+
+
+def test_gradient_checkpointing_forwards_whole_rows():
+    # It drops the KV cache in training, so rows sharing a prompt take the plain path there, still exact.
+    model = make_model(tied=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = make_group_batch(len(tokenizer()))
+    logp, _ = token_logprobs(model, *batch)
+    torch.testing.assert_close(logp, reference(model, *batch, 1.0)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_nothing_scored_and_first_position_rejected():
     model = make_model(tied=True)
     input_ids, attention_mask, logits_mask = make_batch(len(tokenizer()))
