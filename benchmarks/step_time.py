@@ -3,11 +3,14 @@
     python benchmarks/step_time.py                                  # quickstart + 4x512 model; 8, 64, 128 tokens
     PYTHONPATH=/dir/with/trl python benchmarks/step_time.py         # the baseline is TRL's GRPOTrainer
     python benchmarks/step_time.py --tiny                           # CI: quickstart model, 8 tokens, 3 steps
+    python benchmarks/step_time.py --sizes quickstart --prompt-tokens 128   # longer prompts, same task
 
 The task is the quickstart's (16 prompts x 8 samples, apmpo/quickstart.py), one optimiser step per rollout batch,
 KL beta 0.001 against a reference model, fp32. The models: the quickstart's (2 layers, hidden 128, 22 tokens) and
 one of realistic shape (4 layers, hidden 512, 8 heads, 2 KV heads, a 32000-token vocabulary whose extra tokens
 no prompt uses: a random model of that size rarely stops, so its completions run to the limit on both sides).
+`--prompt-tokens N` lengthens every prompt to N tokens (letters before the digits, plus the system prompt of
+apmpo's math records: both sides get the same records); the quickstart's own are 22 tokens, real ones longer.
 The learning rate is tiny so that the policy, and with it the completion lengths, stay the same on both sides
 over the run (the printed mean lengths show it).
 
@@ -83,9 +86,30 @@ def _padded_tokenizer(tokenizer):
 # --- apmpo -----------------------------------------------------------------------------------------------------
 
 
-def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path, max_staleness: int = 0) -> dict:
-    sets = {"model.path": model, "model.dtype": "fp32", "rollout.prompts_per_step": PROMPTS,
-            "rollout.group_size": GROUP, "rollout.max_tokens": tokens, "rollout.max_model_len": tokens + 64,
+def write_prompts(root: Path, prompt_tokens: int) -> Path:
+    """The quickstart's prompts lengthened to `prompt_tokens` tokens, as a records file (apmpo's math fields)."""
+    from apmpo.data import encode_prompt, load_records
+    from apmpo.quickstart import build_tokenizer, make_samples
+
+    path = root / f"prompts_{prompt_tokens}.jsonl"
+
+    def write(filler: str) -> int:
+        rows = [{"question": filler + s["answer"], "answer": s["answer"]} for s in make_samples(512, seed=0)]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return len(encode_prompt(load_records(str(path))[0], build_tokenizer()))
+
+    shortest = write("")
+    if prompt_tokens < shortest:
+        raise SystemExit(f"--prompt-tokens must be at least {shortest} (the system prompt and the digits)")
+    write(("saturnine" * prompt_tokens)[: prompt_tokens - shortest])  # letters the character tokenizer keeps
+    return path
+
+
+def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path, max_staleness: int = 0,
+              prompts: str = "quickstart", prompt_tokens: int = 22) -> dict:
+    sets = {"model.path": model, "model.dtype": "fp32", "rollout.prompts_per_step": PROMPTS, "data.train": prompts,
+            "data.max_prompt_tokens": prompt_tokens + 8, "rollout.group_size": GROUP, "rollout.max_tokens": tokens,
+            "rollout.max_model_len": tokens + prompt_tokens + 48,
             "train.mini_batch_size": PROMPTS, "train.steps": steps, "loss.kl_beta": BETA, "optim.lr": LR,
             "optim.warmup_steps": 0, "checkpoint.save_every": 0, "logging.tensorboard": "false",
             "logging.output_dir": out, "logging.run_name": "apmpo", "train.max_staleness": max_staleness}
@@ -107,8 +131,10 @@ def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path, max_
 # --- baseline (in a process of its own, like apmpo's run) ------------------------------------------------------
 
 
-def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path, threads: int) -> dict:
-    command = [sys.executable, __file__, "--baseline-run", str(model), str(tokens), str(steps), str(out), str(threads)]
+def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path, threads: int,
+                 prompts: str = "quickstart") -> dict:
+    command = [sys.executable, __file__, "--baseline-run", str(model), str(tokens), str(steps), str(out), str(threads),
+               prompts]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - start
@@ -120,24 +146,25 @@ def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path, t
             "startup": wall - sum(result["steps"]), "name": result["name"]}
 
 
-def baseline_main(model: str, tokens: int, steps: int, out: Path, threads: int) -> None:
+def baseline_main(model: str, tokens: int, steps: int, out: Path, threads: int, prompts: str) -> None:
     import torch
-
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     try:
         import trl  # noqa: F401
     except ImportError:
-        result = _plain_grpo(model, tokens, steps)
+        result = _plain_grpo(model, tokens, steps, prompts)
     else:
-        result = _trl_grpo(model, tokens, steps, out)
+        result = _trl_grpo(model, tokens, steps, out, prompts)
     (out / "baseline.json").write_text(json.dumps(result))
 
 
-def _prompts(n: int) -> list[dict]:
+def _prompts(n: int, source: str) -> list[dict]:
+    """"quickstart": its own samples; else a records file of write_prompts."""
+    from apmpo.data import load_records
     from apmpo.quickstart import make_samples
 
-    return make_samples(n, seed=0)
+    return make_samples(n, seed=0) if source == "quickstart" else load_records(source)[:n]
 
 
 def _reward(completions: list[str], samples: list[dict]) -> list[float]:
@@ -146,13 +173,13 @@ def _reward(completions: list[str], samples: list[dict]) -> list[float]:
     return [reward(c, s) for c, s in zip(completions, samples)]
 
 
-def _trl_grpo(model: str, tokens: int, steps: int, out: Path) -> dict:
+def _trl_grpo(model: str, tokens: int, steps: int, out: Path, prompts: str) -> dict:
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    samples = _prompts(PROMPTS * steps)
+    samples = _prompts(PROMPTS * steps, prompts)
     data = Dataset.from_list([{"prompt": s["messages"], "answer": s["answer"]} for s in samples])
 
     def reward(completions, answer, **_) -> list[float]:
@@ -184,7 +211,7 @@ def _trl_grpo(model: str, tokens: int, steps: int, out: Path) -> dict:
     return {"name": f"TRL {trl.__version__} GRPOTrainer", "steps": clock.steps, "lengths": clock.lengths}
 
 
-def _plain_grpo(model_path: str, tokens: int, steps: int) -> dict:
+def _plain_grpo(model_path: str, tokens: int, steps: int, prompts: str) -> dict:
     """HF generate, then one GRPO step: old/reference log-probs without grad, the clipped-ratio loss with a k3 KL
     term, backward, AdamW. The whole rollout batch in one forward; no chunking."""
     import torch
@@ -195,7 +222,7 @@ def _plain_grpo(model_path: str, tokens: int, steps: int) -> dict:
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=LR)
-    samples = _prompts(PROMPTS * steps)
+    samples = _prompts(PROMPTS * steps, prompts)
     times, lengths = [], []
 
     def token_logprobs(model, ids, attention, start):
@@ -254,12 +281,14 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=0,
                         help="apmpo's train.max_staleness: 1 generates the next batch while the learner updates "
                              "(one step off-policy, unlike the baseline)")
-    parser.add_argument("--baseline-run", nargs=5, metavar=("MODEL", "TOKENS", "STEPS", "OUT", "THREADS"),
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="lengthen every prompt to this many tokens (default: the quickstart's 22)")
+    parser.add_argument("--baseline-run", nargs=6, metavar=("MODEL", "TOKENS", "STEPS", "OUT", "THREADS", "PROMPTS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline_run:
-        model, tokens, steps, out, threads = args.baseline_run
-        return baseline_main(model, int(tokens), int(steps), Path(out), int(threads))
+        model, tokens, steps, out, threads, prompts = args.baseline_run
+        return baseline_main(model, int(tokens), int(steps), Path(out), int(threads), prompts)
     if args.tiny:
         args.sizes, args.tokens, args.steps, args.warmup = ["quickstart"], [8], 3, 1
     if args.steps <= args.warmup:
@@ -268,19 +297,20 @@ def main() -> None:
     threads = args.baseline_threads or learner_threads()
     root = Path(tempfile.mkdtemp(prefix="apmpo_step_time_"))
     models = save_models(root, args.sizes)
+    prompts = str(write_prompts(root, args.prompt_tokens)) if args.prompt_tokens else "quickstart"
     load = os.getloadavg()[0]
     print(f"{os.cpu_count()} cores, load {load:.1f} at start; {PROMPTS} prompts x {GROUP} samples, beta {BETA}, fp32; "
           f"apmpo learner threads {learner_threads(args.max_staleness)}, baseline threads {threads}, apmpo max_staleness "
           f"{args.max_staleness}; median of steps {args.warmup + 1}-{args.steps}, "
-          f"{args.rounds} round(s)", flush=True)
+          f"{args.rounds} round(s); prompts {args.prompt_tokens or 22} tokens", flush=True)
     for size in args.sizes:
         for tokens in args.tokens:
             ours, theirs = [], []
             for r in range(args.rounds):
                 ours.append(run_apmpo(models[size], tokens, args.steps, args.warmup, root / f"{size}_{tokens}_{r}",
-                                      args.max_staleness))
+                                      args.max_staleness, prompts, args.prompt_tokens or 22))
                 theirs.append(run_baseline(models[size], tokens, args.steps, args.warmup,
-                                           root / f"{size}_{tokens}_{r}", threads))
+                                           root / f"{size}_{tokens}_{r}", threads, prompts))
             a = {k: statistics.median(run[k] for run in ours) for k in ours[0]}
             b = {k: statistics.median(run[k] for run in theirs) for k in ("step", "length", "startup")}
             phases = ", ".join(f"{p} {a[p]:.3f}" for p in PHASES)
