@@ -98,24 +98,24 @@ def _can_share_prompts(model: nn.Module) -> bool:
 
 
 def _prompt_of_each_row(input_ids: Tensor, attention_mask: Tensor, logits_mask: Tensor
-                        ) -> tuple[Tensor, list[list[int]]] | None:
-    """(row -> index into the distinct prompts, the distinct prompts), a row's prompt being its tokens before its
-    first scored one; None when no two rows share one (or a row has nothing scored, or padding in its prompt)."""
+                        ) -> tuple[Tensor, list[list[int]], Tensor] | None:
+    """(row -> index into the distinct prompts, the distinct prompts, each row's prompt length), a row's prompt
+    being its tokens before its first scored one; None when no two rows share one (or a row has nothing scored,
+    or padding in its prompt)."""
     starts = logits_mask.int().argmax(dim=1)
-    if not logits_mask.any(dim=1).all():
-        return None
-    rows = [ids[:start] for ids, start in zip(input_ids.tolist(), starts.tolist())]
-    if not all(attention_mask[i, :start].all() for i, start in enumerate(starts.tolist())):
+    in_prompt = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < starts[:, None]
+    if not (logits_mask.any(dim=1).all() and (attention_mask.bool() | ~in_prompt).all()):
         return None
     distinct: dict[tuple[int, ...], int] = {}
-    index = [distinct.setdefault(tuple(row), len(distinct)) for row in rows]
-    if len(distinct) == len(rows):
+    index = [distinct.setdefault(tuple(ids[:start]), len(distinct))
+             for ids, start in zip(input_ids.tolist(), starts.tolist())]
+    if len(distinct) == len(index):
         return None
-    return torch.tensor(index, device=input_ids.device), [list(prompt) for prompt in distinct]
+    return torch.tensor(index, device=input_ids.device), [list(prompt) for prompt in distinct], starts
 
 
 def _states_sharing_prompts(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_mask: Tensor,
-                            index: Tensor, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
+                            index: Tensor, prompts: list[list[int]], starts: Tensor) -> tuple[Tensor, Tensor]:
     """The scored tokens' hidden states and targets, as the plain forward gives them, with each distinct prompt run
     once: its KV cache is repeated for the rows that share it, and the rows' completions run on top of it.
     Gradients flow back through the repeated cache into the one prompt pass (the rows' sum, as before).
@@ -135,7 +135,6 @@ def _states_sharing_prompts(model: nn.Module, input_ids: Tensor, attention_mask:
     first = model.model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
     cache = first.past_key_values
     cache.reorder_cache(index)  # index_select per layer: one copy per row, differentiable
-    starts = logits_mask.int().argmax(dim=1)  # a row's prompt length
     last_prompt_state = first.last_hidden_state[index, starts - 1]  # predicts the row's first completion token
 
     # Pass 2: each row's tokens from its prompt's end (column k is the row's token at starts + k), on its cache.
