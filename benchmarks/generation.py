@@ -64,8 +64,7 @@ def main() -> None:
         server.stop()
 
     llm = compat.build_engine(compat.EngineArgs(model=model, dtype=dtype, max_model_len=1024 if not gpu else None,
-                                                gpu_memory_utilization=args.gpu_memory_utilization,
-                                                enforce_eager=not gpu))
+                                                gpu_memory_utilization=args.gpu_memory_utilization))
     params = [compat.sampling_params(**{**sampling, "seed": i * args.n}, stop_token_ids=[]) for i in range(len(prompts))]
 
     def in_process() -> int:

@@ -59,6 +59,7 @@ def main(cfg: Config, resume: str) -> None:
                 log_path=run_dir / "server.log", devices=r.devices,
                 num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
+                extra_args=("--enforce-eager",) if r.enforce_eager else (),
                 dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=check_devices(cfg),
                 learner_idle=cfg.train.max_staleness == 0))
         dist = init_distributed(cfg.train.dist_timeout_s, generates_meanwhile=cfg.train.max_staleness > 0)

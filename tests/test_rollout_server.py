@@ -75,6 +75,13 @@ def test_shapes_n_and_length_finish(client, tiny_tied):
             assert sample.finish_reason == "stop" and sample.token_ids[-1] == eos
 
 
+def test_a_cpu_server_compiles_its_text_model(client):
+    # The compiled engine is the one every test here runs (log-probs against HF, weight pushes against a fresh
+    # load): torch.compile must see the weights a push copies in place.
+    if not torch.cuda.is_available():
+        assert client.info()["compiled"] is True
+
+
 def test_stop_token_finishes_with_stop(client):
     info = client.info()
     first = client.generate([PROMPTS[0]], n=1, temperature=0.0, max_tokens=8)[0][0].token_ids[0]

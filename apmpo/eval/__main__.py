@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--dtype", default="auto")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="a started server skips torch.compile (and CUDA graphs): starts faster, generates slower")
     r = p.add_argument_group("scoring")
     r.add_argument("--reward", default=None, help="score every benchmark with this reward instead of its task's: a "
                    "registry name (math, sql, choice, quickstart) or pkg.module:function, as data.reward in training")
@@ -225,7 +227,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
     start_kwargs = ({"ready_timeout_s": args.server_timeout} if args.server else
                     {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,
                      "max_model_len": args.max_model_len, "dtype": args.dtype, "num_servers": args.num_servers,
-                     "learner_idle": True})
+                     "learner_idle": True, "extra_args": ("--enforce-eager",) if args.enforce_eager else ()})
     log(f"connecting to {', '.join(args.server)}" if args.server else
         f"starting generation server(s) on {model} (log: {args.out / 'server.log'}, or server.<k>.log for several)")
     tick = time.monotonic()

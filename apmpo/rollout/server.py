@@ -103,6 +103,7 @@ class InfoResponse(BaseModel):
     num_workers: int
     multimodal: bool
     kv_block_size: int  # the n samples of a prompt share its whole blocks of this many tokens (prefix cache)
+    compiled: bool  # the model runs through torch.compile (--enforce-eager: no)
     device_uuids: list[str]  # one per worker; empty strings on CPU
     limits: dict[str, float]
 
@@ -379,7 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="GPU only; on CPU the KV cache takes $VLLM_CPU_KVCACHE_SPACE GiB (1 unless set)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (always on for CPU)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no torch.compile nor CUDA graphs: starts faster, generates slower")
     parser.add_argument("--max-prompts", type=int, default=Limits.max_prompts)
     parser.add_argument("--max-n", type=int, default=Limits.max_n)
     parser.add_argument("--max-tokens", type=int, default=Limits.max_tokens)
@@ -441,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = compat.build_engine(compat.EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed, enforce_eager=args.enforce_eager or not torch.cuda.is_available(),
+        seed=args.seed, enforce_eager=args.enforce_eager,
         max_images_per_prompt=args.max_images_per_prompt))
     limits = Limits(args.max_prompts, args.max_n, args.max_tokens, args.update_timeout_s, args.generate_timeout_s)
     app = create_app(llm, args.model, limits, args.token)
