@@ -106,7 +106,7 @@ def write_prompts(root: Path, prompt_tokens: int) -> Path:
 
 
 def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path, max_staleness: int = 0,
-              prompts: str = "quickstart", prompt_tokens: int = 22) -> dict:
+              prompts: str = "quickstart", prompt_tokens: int = 22, extra_sets: tuple[str, ...] = ()) -> dict:
     sets = {"model.path": model, "model.dtype": "fp32", "rollout.prompts_per_step": PROMPTS, "data.train": prompts,
             "data.max_prompt_tokens": prompt_tokens + 8, "rollout.group_size": GROUP, "rollout.max_tokens": tokens,
             "rollout.max_model_len": tokens + prompt_tokens + 48,
@@ -114,7 +114,8 @@ def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path, max_
             "optim.warmup_steps": 0, "checkpoint.save_every": 0, "logging.tensorboard": "false",
             "logging.output_dir": out, "logging.run_name": "apmpo", "train.max_staleness": max_staleness}
     command = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs/quickstart.yaml"),
-               *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]]
+               *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")],
+               *[arg for assignment in extra_sets for arg in ("--set", assignment)]]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - start
@@ -283,6 +284,8 @@ def main() -> None:
                              "(one step off-policy, unlike the baseline)")
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="lengthen every prompt to this many tokens (default: the quickstart's 22)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of apmpo's config, as train.py's --set (e.g. rollout.num_servers=2)")
     parser.add_argument("--baseline-run", nargs=6, metavar=("MODEL", "TOKENS", "STEPS", "OUT", "THREADS", "PROMPTS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -302,13 +305,13 @@ def main() -> None:
     print(f"{os.cpu_count()} cores, load {load:.1f} at start; {PROMPTS} prompts x {GROUP} samples, beta {BETA}, fp32; "
           f"apmpo learner threads {learner_threads(args.max_staleness)}, baseline threads {threads}, apmpo max_staleness "
           f"{args.max_staleness}; median of steps {args.warmup + 1}-{args.steps}, "
-          f"{args.rounds} round(s); prompts {args.prompt_tokens or 22} tokens", flush=True)
+          f"{args.rounds} round(s); prompts {args.prompt_tokens or 22} tokens; apmpo --set {args.sets}", flush=True)
     for size in args.sizes:
         for tokens in args.tokens:
             ours, theirs = [], []
             for r in range(args.rounds):
                 ours.append(run_apmpo(models[size], tokens, args.steps, args.warmup, root / f"{size}_{tokens}_{r}",
-                                      args.max_staleness, prompts, args.prompt_tokens or 22))
+                                      args.max_staleness, prompts, args.prompt_tokens or 22, tuple(args.sets)))
                 theirs.append(run_baseline(models[size], tokens, args.steps, args.warmup,
                                            root / f"{size}_{tokens}_{r}", threads, prompts))
             a = {k: statistics.median(run[k] for run in ours) for k in ours[0]}
