@@ -4,6 +4,7 @@
     PYTHONPATH=/dir/with/trl python benchmarks/step_time.py         # the baseline is TRL's GRPOTrainer
     python benchmarks/step_time.py --tiny                           # CI: quickstart model, 8 tokens, 3 steps
     python benchmarks/step_time.py --sizes quickstart --prompt-tokens 128   # longer prompts, same task
+    python benchmarks/step_time.py --sizes quickstart --set rollout.num_servers=2   # an apmpo config override
 
 The task is the quickstart's (16 prompts x 8 samples, apmpo/quickstart.py), one optimiser step per rollout batch,
 KL beta 0.001 against a reference model, fp32. The models: the quickstart's (2 layers, hidden 128, 22 tokens) and
