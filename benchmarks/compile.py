@@ -26,19 +26,21 @@ def worker(model: str, mode: str, prompts: int, n: int) -> None:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM's own output goes to stderr, replies alone to stdout
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as the server: a fixed KV cache on CPU (GiB)
-    from apmpo.quickstart import build_tokenizer, make_samples
+    from transformers import AutoTokenizer
+
+    from apmpo.data import encode_prompt, stop_token_ids
+    from apmpo.quickstart import make_samples
     from apmpo.rollout import vllm_compat as compat
 
     llm = compat.build_engine(compat.EngineArgs(model=model, dtype="float32", max_model_len=512,
                                                 enforce_eager=mode == "eager"))
-    tokenizer = build_tokenizer()
-    ids = [tokenizer.apply_chat_template(s["messages"], add_generation_prompt=True, tokenize=True)
-           for s in make_samples(prompts)]
-    ids = [row if isinstance(row, list) else row["input_ids"] for row in ids]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = [encode_prompt(sample, tokenizer) for sample in make_samples(prompts)]  # the prompts as training encodes them
+    stop = list(stop_token_ids(model, tokenizer))
 
     def run(max_tokens: int) -> int:
         params = [compat.sampling_params(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
-                                         seed=1000 + i, stop_token_ids=[tokenizer.eos_token_id])
+                                         seed=1000 + i, stop_token_ids=stop)
                   for i in range(len(ids))]
         return sum(len(s["token_ids"]) for row in compat.generate(llm, ids, params) for s in row)
 
