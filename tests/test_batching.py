@@ -51,6 +51,46 @@ def test_split_and_equalize():
     assert equalize([[0]], 3) == [[0], [], []]  # empty ones become zero-weight dummies
 
 
+def _every_split(rows: list[int]):
+    """Every way to cut `rows` into contiguous micro-batches (the naive reference: 2^(n-1) of them)."""
+    if not rows:
+        yield []
+        return
+    for k in range(1, len(rows) + 1):
+        for rest in _every_split(rows[k:]):
+            yield [rows[:k], *rest]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_by_budget_is_the_cheapest_split_within_the_budget(seed):
+    """Against every contiguous cut of the rows sorted by length: the split keeps the budget and costs least
+    (padded tokens + the overhead per micro-batch); a row over the budget is alone."""
+    import random
+
+    rng = random.Random(seed)
+    n, overhead, budget = rng.randint(1, 10), rng.choice([0, 3, 16, 64]), rng.choice([8, 20, 40, 1000])
+    lengths = [rng.randint(1, 30) for _ in range(n)]
+    indices = rng.sample(range(n), n)
+
+    def cost(split):
+        return sum(len(m) * max(lengths[i] for i in m) + overhead for m in split)
+
+    def fits(split):
+        return all(len(m) == 1 or len(m) * max(lengths[i] for i in m) <= budget for m in split)
+
+    got = split_by_budget(indices, lengths, budget, overhead_tokens=overhead)
+    assert sorted(i for m in got for i in m) == sorted(indices) and fits(got)
+    assert [lengths[i] for m in got for i in m] == sorted(lengths)  # similar lengths together
+    by_length = sorted(indices, key=lambda i: lengths[i])
+    assert cost(got) == min(cost(split) for split in _every_split(by_length) if fits(split))
+
+
+def test_split_by_budget_trades_padding_for_micro_batches():
+    # Rows of 1 and 100 tokens: together they pad to 2 x 100; apart they pay the overhead twice.
+    assert split_by_budget([0, 1], [1, 100], 1000, overhead_tokens=10) == [[0], [1]]  # 1 + 10 + 100 + 10 < 200 + 10
+    assert split_by_budget([0, 1], [1, 100], 1000, overhead_tokens=200) == [[0, 1]]  # 200 + 200 < 1 + 100 + 400
+
+
 def test_collate_masks_completions_and_dummy_weight():
     batch = [Rollout([5, 6], [7, 8, 9], [0.0] * 3, "stop", group=0, advantage=1.5),
              Rollout([5], [7], [0.0], "length", group=0, advantage=-1.5)]

@@ -6,9 +6,10 @@ needs no communication:
 1. mini-batches: the step's prompts (groups), permuted with a seed, split into optimiser steps;
 2. rank shards: each mini-batch's sequences dealt to the data-parallel ranks, balanced by token count
    (longest first, to the rank with the fewest tokens so far);
-3. micro-batches: each shard cut by a token budget (padded length x rows), and every rank gets the same number
-   of micro-batches per optimiser step, because ZeRO's gradient reduction is collective: a rank with fewer
-   sequences gets empty micro-batches, run as zero-weight dummies.
+3. micro-batches: each shard, sorted by length, cut where padding and micro-batches cost least within a token
+   budget (padded length x rows); every rank gets the same number of micro-batches per optimiser step, because
+   ZeRO's gradient reduction is collective: a rank with fewer sequences gets empty micro-batches, run as
+   zero-weight dummies.
 """
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+# What one more forward and backward costs, in padded tokens: the quickstart model's fixed cost per micro-batch
+# (about 8 ms on 2 CPU cores) over its cost per token (about 25 us). Fewer tokens and more micro-batches pay up to
+# here; the budget still bounds memory.
+MICRO_BATCH_OVERHEAD_TOKENS = 256
 
 
 @dataclass
@@ -86,20 +92,29 @@ def shard_by_tokens(indices: list[int], lengths: list[int], world_size: int) -> 
     return shards
 
 
-def split_by_budget(indices: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Cut a shard into micro-batches whose padded size (rows x longest row) stays within the budget.
+def split_by_budget(indices: list[int], lengths: list[int], token_budget: int,
+                    overhead_tokens: int = MICRO_BATCH_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Cut a shard into micro-batches whose padded size (rows x longest row) stays within the budget, with the
+    least padding: the rows sorted by length, cut where the padded tokens, plus `overhead_tokens` for each
+    micro-batch, add up to the least (a dynamic programme over the cut points; filling each micro-batch up to the
+    budget instead left 78% padding in 16 x 8 completions of 1-64 tokens, this 21% with the default overhead).
     A single sequence longer than the budget gets a micro-batch of its own."""
-    micro, current, longest = [], [], 0
-    for i in sorted(indices, key=lambda i: lengths[i]):  # similar lengths together: little padding
-        new_longest = max(longest, lengths[i])
-        if current and new_longest * (len(current) + 1) > token_budget:
-            micro.append(current)
-            current, new_longest = [], lengths[i]
-        current.append(i)
-        longest = new_longest
-    if current:
-        micro.append(current)
-    return micro
+    order = sorted(indices, key=lambda i: lengths[i])
+    least = [0] + [None] * len(order)  # least[j]: the least cost of the j shortest rows; they end a micro-batch
+    cut = [0] * (len(order) + 1)  # where the micro-batch that ends at row j starts
+    for j in range(1, len(order) + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j - 1, -1, -1):  # the micro-batch order[i:j], longer and longer
+            if i < j - 1 and (j - i) * longest > token_budget:
+                break
+            cost = least[i] + (j - i) * longest + overhead_tokens
+            if least[j] is None or cost < least[j]:
+                least[j], cut[j] = cost, i
+    micro, j = [], len(order)
+    while j > 0:
+        micro.append(order[cut[j]:j])
+        j = cut[j]
+    return micro[::-1]
 
 
 def equalize(micro: list[list[int]], count: int) -> list[list[int]]:
