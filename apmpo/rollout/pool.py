@@ -4,8 +4,11 @@
     outs = pool.generate(prompts, n=8, seed=s, ...)                  # outs[prompt][sample], in prompt order
     version = pool.push_weights(model.named_parameters())           # to every server at once, same version
 
-Generation: the prompts are cut into contiguous chunks (all n samples of a prompt stay in one chunk); a thread per
-server takes the next chunk from a shared queue as soon as its server is free, so a slow server takes fewer.
+Generation: the prompts are cut into one contiguous chunk per server, of sizes that differ by at most one (all n
+samples of a prompt stay in one chunk), and every server gets its chunk at once, as OpenRLHF and verl deal
+prompts to their vLLM engines. A server's engine batches all of its chunk together: cut into four chunks per
+server taken one after another, 16 prompts x 8 samples of 64 tokens took 0.40 s on 2 CPU servers, against 0.20 s
+in one (each chunk drains its own tail of long samples), and 0.29 s on one server.
 The server seeds prompt i of a request with `seed + i * n`; a chunk starting at prompt `start` is sent with
 `seed + start * n`, so every prompt gets the seed it would get in one request to one server: the samples do
 not depend on which server drew them, nor on how many there are.
@@ -16,9 +19,8 @@ that then report different weight versions (one was restarted), raise ServerErro
 """
 from __future__ import annotations
 
-import math
-import queue
-import threading
+import concurrent.futures
+import functools
 import time
 from typing import Any, Iterable
 
@@ -27,16 +29,15 @@ import torch
 from apmpo.rollout.client import GenerationClient, Sample, ServerError, ServerUnavailable
 from apmpo.rollout.net import in_thread
 
-CHUNKS_PER_SERVER = 4  # enough for a free server to take over from a slow one, few enough to keep batches large
 # What every server of a pool must agree on: prompts are encoded once, for one model.
 SAME_ON_ALL = ("model", "max_model_len", "vocab_size", "dtype", "multimodal")
 
 
 class ServerPool:
-    def __init__(self, clients: list[GenerationClient], chunks_per_server: int = CHUNKS_PER_SERVER):
+    def __init__(self, clients: list[GenerationClient]):
         if not clients:
             raise ValueError("ServerPool needs at least one client")
-        self.clients, self.chunks_per_server = clients, chunks_per_server
+        self.clients = clients
         self.last_push: dict[str, Any] = {}  # as GenerationClient's, over the pool: seconds of the whole fan-out
         self.last_generate: dict[str, int] = {}  # prompts each server served in the last generate
 
@@ -57,45 +58,18 @@ class ServerPool:
                  max_tokens: int = 512, seed: int | None = None, stop_token_ids: list[int] | None = None,
                  top_k: int = -1, images: list[list[bytes]] | None = None) -> list[list[Sample]]:
         """As GenerationClient.generate. The first server that fails ends the call with its error (naming its URL);
-        the other servers finish the chunk they hold, and take no more."""
-        size = max(1, math.ceil(len(prompts) / (len(self.clients) * self.chunks_per_server)))
-        starts = list(range(0, len(prompts), size))
-        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for start in starts:
-            todo.put(start)
-        done: queue.SimpleQueue[tuple[GenerationClient, int, Any]] = queue.SimpleQueue()
-        failed = threading.Event()
-
-        def work(client: GenerationClient) -> None:
-            while not failed.is_set():
-                try:
-                    start = todo.get_nowait()
-                except queue.Empty:
-                    return
-                end = start + size
-                try:
-                    out = client.generate(prompts[start:end], n=n, temperature=temperature, top_p=top_p,
-                                          max_tokens=max_tokens, seed=None if seed is None else seed + start * n,
-                                          stop_token_ids=stop_token_ids, top_k=top_k,
-                                          images=None if images is None else images[start:end])
-                except BaseException as error:  # noqa: BLE001 (raised by the caller's thread)
-                    done.put((client, start, error))
-                    return
-                done.put((client, start, out))
-
-        for client in self.clients:
-            threading.Thread(target=work, args=(client,), name=f"generate {client.url}", daemon=True).start()
-        chunks: dict[int, list[list[Sample]]] = {}
-        served = dict.fromkeys(self.urls, 0)
-        while len(chunks) < len(starts):
-            client, start, out = done.get()
-            if isinstance(out, BaseException):
-                failed.set()
-                raise _naming(client.url, out)
-            chunks[start] = out
-            served[client.url] += len(out)
-        self.last_generate = served
-        return [row for start in starts for row in chunks[start]]
+        the others finish their chunks meanwhile, unread."""
+        bounds = [len(prompts) * k // len(self.clients) for k in range(len(self.clients) + 1)]
+        chunks = [(client, start, end) for client, start, end in zip(self.clients, bounds, bounds[1:]) if end > start]
+        futures = {in_thread(functools.partial(
+            client.generate, prompts[start:end], n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+            seed=None if seed is None else seed + start * n, stop_token_ids=stop_token_ids, top_k=top_k,
+            images=None if images is None else images[start:end])): client for client, start, end in chunks}
+        for future in concurrent.futures.as_completed(futures):
+            if future.exception() is not None:
+                raise _naming(futures[future].url, future.exception())
+        self.last_generate = {client.url: end - start for client, start, end in chunks}
+        return [row for future in futures for row in future.result()]
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Pushes to every server in parallel; returns the weight version, the same on all."""
