@@ -3,7 +3,7 @@ sync (shm), a tiny Qwen2 with tied embeddings (tests/conftest.py; the untied cas
 test_rollout_server's, the fan-out does not depend on it): two servers and a fresh reference server on the pushed
 weights, all three loading at once.
 
-- 1 and 2 servers give the same seeded samples (chunk seeds: seed + start * n), and both servers took work;
+- 1 and 2 servers give the same seeded samples (chunk seeds: seed + start * n), each server one even chunk;
 - after a push both servers report the same new version and equal a fresh server on the pushed checkpoint;
 - a server killed mid-generation, and then at the next push, is a clear error naming it, within seconds.
 """
@@ -104,21 +104,19 @@ def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(tiny_tied, tmp
             reference.stop()
 
 
-def test_quickstart_learns_with_two_servers(tmp_path):
-    """The quickstart with rollout.num_servers=2 reaches its usual reward (>= 0.8, 10-step mean, within 50 steps),
-    and every step's weights reached both servers (each engine logs one reload per push)."""
+def test_quickstart_learns_with_one_server(tmp_path):
+    """The quickstart runs two servers; with rollout.num_servers=1 it reaches its usual reward (>= 0.8, 10-step mean,
+    within 50 steps) through one, which takes every step's weights (its engine logs one reload per push)."""
     from train_runs import metrics, run, train_command
 
     run(train_command("configs/quickstart.yaml", f"logging.output_dir={tmp_path}", "checkpoint.save_every=0",
-                      "rollout.num_servers=2", "train.steps=50", "eval.every=25"), timeout=1200)
+                      "rollout.num_servers=1", "train.steps=50", "eval.every=25"), timeout=1200)
     records = metrics(tmp_path / "quickstart")
     rewards = [r["reward/mean"] for r in records]
     assert len(rewards) == 50 and sum(rewards[-10:]) / 10 >= 0.8, rewards
-    assert [r["step"] for r in records if "val/quickstart_val/pass@1" in r] == [25, 50]  # validation through the pool
-    for k in (0, 1):
-        log = (tmp_path / "quickstart" / f"server.{k}.log").read_text()
-        assert log.count("apmpo: reloaded") == 50, k
-    assert not (tmp_path / "quickstart" / "server.log").exists()
+    assert [r["step"] for r in records if "val/quickstart_val/pass@1" in r] == [25, 50]
+    assert (tmp_path / "quickstart" / "server.log").read_text().count("apmpo: reloaded") == 50
+    assert not (tmp_path / "quickstart" / "server.0.log").exists()
 
 
 def _processes_of(launcher_pid: int) -> list[int]:

@@ -216,3 +216,5 @@ def test_quickstart_learns(tmp_path, max_staleness):
     assert sum(rewards[:5]) / 5 < 0.35, rewards[:5]
     assert sum(rewards[-10:]) / 10 >= 0.8, rewards[-10:]
     assert time.time() - start < 600
+    for k in (0, 1):  # its two servers each took every step's weights (one engine reload per push)
+        assert (tmp_path / "quickstart" / f"server.{k}.log").read_text().count("apmpo: reloaded") == 100, k
