@@ -4,10 +4,11 @@
     PYTHONPATH=/dir/with/trl python benchmarks/step_time.py         # the baseline is TRL's GRPOTrainer
     python benchmarks/step_time.py --tiny                           # CI: quickstart model, 8 tokens, 3 steps
     python benchmarks/step_time.py --sizes quickstart --prompt-tokens 128   # longer prompts, same task
-    python benchmarks/step_time.py --sizes quickstart --set rollout.num_servers=2   # an apmpo config override
+    python benchmarks/step_time.py --sizes quickstart --set rollout.num_servers=1   # an apmpo config override
 
 The task is the quickstart's (16 prompts x 8 samples, apmpo/quickstart.py), one optimiser step per rollout batch,
-KL beta 0.001 against a reference model, fp32. The models: the quickstart's (2 layers, hidden 128, 22 tokens) and
+KL beta 0.001 against a reference model, fp32; apmpo otherwise runs configs/quickstart.yaml (two generation
+servers: `--set rollout.num_servers=1` for one). The models: the quickstart's (2 layers, hidden 128, 22 tokens) and
 one of realistic shape (4 layers, hidden 512, 8 heads, 2 KV heads, a 32000-token vocabulary whose extra tokens
 no prompt uses: a random model of that size rarely stops, so its completions run to the limit on both sides).
 `--prompt-tokens N` lengthens every prompt to N tokens (letters before the digits, plus the system prompt of
@@ -286,7 +287,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="lengthen every prompt to this many tokens (default: the quickstart's 22)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="an override of apmpo's config, as train.py's --set (e.g. rollout.num_servers=2)")
+                        help="an override of apmpo's config, as train.py's --set (e.g. rollout.num_servers=1)")
     parser.add_argument("--baseline-run", nargs=6, metavar=("MODEL", "TOKENS", "STEPS", "OUT", "THREADS", "PROMPTS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
