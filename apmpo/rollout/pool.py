@@ -7,8 +7,9 @@
 Generation: the prompts are cut into one contiguous chunk per server, of sizes that differ by at most one (all n
 samples of a prompt stay in one chunk), and every server gets its chunk at once, as OpenRLHF and verl deal
 prompts to their vLLM engines. A server's engine batches all of its chunk together: cut into four chunks per
-server taken one after another, 16 prompts x 8 samples of 64 tokens took 0.40 s on 2 CPU servers, against 0.20 s
-in one (each chunk drains its own tail of long samples), and 0.29 s on one server.
+server taken one after another, 16 prompts x 8 samples of up to 64 tokens took 0.40 s on 2 CPU servers, against
+0.20 s in one chunk each (each chunk drains its own tail of long samples), and 0.29 s on one server (step_time's
+generate phase).
 The server seeds prompt i of a request with `seed + i * n`; a chunk starting at prompt `start` is sent with
 `seed + start * n`, so every prompt gets the seed it would get in one request to one server: the samples do
 not depend on which server drew them, nor on how many there are.
