@@ -151,6 +151,10 @@ def main(cfg: Config, resume: str) -> None:
                 state = {"sampler": stream.sampler_state(step + 1, sampler)} if dist.is_main else {}
                 save_checkpoint(engine, run_dir, step, state, vision or tokenizer, dist.rank, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.export_hf)
+    # Every rank is past its last collective before any tears down its group (a rank that exited while another's
+    # gloo threads still ran aborted it: "terminate called without an active exception").
+    torch_dist.barrier()
+    torch_dist.destroy_process_group()
     if dist.is_main:
         print(f"[apmpo] done: {run_dir}", flush=True)
 

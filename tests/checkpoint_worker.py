@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
 from apmpo.config import load_config  # noqa: E402
 from apmpo.learner import checkpoint  # noqa: E402
 from apmpo.learner.engine import build_engine, init_distributed  # noqa: E402
@@ -35,22 +37,21 @@ def main():
     tokenizer = build_tokenizer()
     engine = build_engine(build_model(tokenizer, seed=args.step).train(), cfg, dist)
     if args.mode == "save":  # one optimiser step: Adam's moments exist and are saved, as in training
-        import torch  # noqa: PLC0415
-
         engine.backward(engine(torch.tensor([[5, 6, 7, 8]])).logits.float().pow(2).mean())
         engine.step()
-    if args.mode == "save":
         if args.no_space_check:
             checkpoint.checkpoint_bytes = lambda *a, **k: 0
         checkpoint.save_checkpoint(engine, run_dir, args.step, {"sampler": {"epoch": 0, "position": args.step}},
                                    tokenizer, dist.rank, keep_last=2)
-        return
-    state = checkpoint.resume(engine, run_dir, "auto", dist.rank)
-    first = next(engine.module.parameters())
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{dist.rank}.json").write_text(json.dumps({"step": state.get("step", 0),
-                                                           "param_sum": float(first.sum())}))
+    else:
+        state = checkpoint.resume(engine, run_dir, "auto", dist.rank)
+        first = next(engine.module.parameters())
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{dist.rank}.json").write_text(json.dumps({"step": state.get("step", 0),
+                                                               "param_sum": float(first.detach().sum())}))
+    torch.distributed.barrier()  # as launch/train.py ends: no rank tears its group down under another's collective
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
