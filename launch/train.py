@@ -33,7 +33,7 @@ from apmpo.eval.validate import Validation
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_best, save_checkpoint
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
-from apmpo.learner.engine import Dist, build_engine, check_devices, init_distributed, load_model
+from apmpo.learner.engine import Dist, build_engine, check_devices, close_distributed, init_distributed, load_model
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
@@ -151,10 +151,7 @@ def main(cfg: Config, resume: str) -> None:
                 state = {"sampler": stream.sampler_state(step + 1, sampler)} if dist.is_main else {}
                 save_checkpoint(engine, run_dir, step, state, vision or tokenizer, dist.rank, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.export_hf)
-    # Every rank is past its last collective before any tears down its group (a rank that exited while another's
-    # gloo threads still ran aborted it: "terminate called without an active exception").
-    torch_dist.barrier()
-    torch_dist.destroy_process_group()
+    close_distributed()
     if dist.is_main:
         print(f"[apmpo] done: {run_dir}", flush=True)
 

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from apmpo.config import load_config  # noqa: E402
 from apmpo.learner import checkpoint  # noqa: E402
-from apmpo.learner.engine import build_engine, init_distributed  # noqa: E402
+from apmpo.learner.engine import build_engine, close_distributed, init_distributed  # noqa: E402
 from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
 
 
@@ -50,8 +50,7 @@ def main():
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{dist.rank}.json").write_text(json.dumps({"step": state.get("step", 0),
                                                                "param_sum": float(first.detach().sum())}))
-    torch.distributed.barrier()  # as launch/train.py ends: no rank tears its group down under another's collective
-    torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch.distributed as torch_dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from apmpo.config import load_config  # noqa: E402
-from apmpo.learner.engine import build_engine, init_distributed  # noqa: E402
+from apmpo.learner.engine import build_engine, close_distributed, init_distributed  # noqa: E402
 from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
 
 
@@ -24,6 +24,7 @@ def timeout(timeout_s: str, delay_s: str) -> None:
     payload = ["batch" if dist.is_main else None]
     torch_dist.broadcast_object_list(payload, src=0)
     print(f"rank {dist.rank} received {payload[0]}", flush=True)
+    close_distributed()
 
 
 def bf16_accumulation(out: str, micro_batches: str) -> None:
@@ -51,6 +52,7 @@ def bf16_accumulation(out: str, micro_batches: str) -> None:
 
     accumulated = {n: safe_get_full_grad(p).float().clone() for n, p in engine.module.named_parameters()}
     torch.save({"accumulated": accumulated, "singles": singles}, out)
+    close_distributed()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from apmpo.config import load_config  # noqa: E402
 from apmpo.learner.batching import Rollout, plan_step  # noqa: E402
-from apmpo.learner.engine import build_engine, init_distributed  # noqa: E402
+from apmpo.learner.engine import build_engine, close_distributed, init_distributed  # noqa: E402
 from apmpo.loss import adaptive_params, group_advantages  # noqa: E402
 from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
 
@@ -83,6 +83,7 @@ def main():
                 "grad_norms": grad_norms, "micro_batches": [len(step.micro[dist.rank]) for step in plan],
                 "metrics": metrics, "trained": sorted(i for step in plan for m in step.micro[dist.rank] for i in m)},
                out / f"rank{dist.rank}.pt")
+    close_distributed()
 
 
 def _recording(step, engine, grad_norms):

@@ -57,6 +57,16 @@ def init_distributed(timeout_s: float = 7200.0, generates_meanwhile: bool = True
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device)
 
 
+def close_distributed() -> None:
+    """Tears this rank's process group down once every rank is past its last collective. Each process that called
+    init_distributed ends with it: a rank that exited while another's gloo threads still ran aborted that one
+    ('terminate called without an active exception', exit -6), now and then, under load."""
+    import torch.distributed as torch_dist
+
+    torch_dist.barrier()
+    torch_dist.destroy_process_group()
+
+
 def cpu_threads(cores: int, world_size: int, generates_meanwhile: bool) -> int:
     """Compute threads of each CPU learner rank. In the synchronous loop the server is idle while the learner
     computes, so the ranks share every core: on 2 cores, 2 threads against 1 took the quickstart's log-probs from
