@@ -451,9 +451,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # In-flight requests get 5 s after a signal, then they are cancelled, which aborts their generation.
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[listener])
-    finally:
+        code = 0
+    except SystemExit as stop:  # SIGTERM, through our handler once uvicorn is done
+        code = int(stop.code or 0)
+    except KeyboardInterrupt:  # SIGINT (Ctrl-C, POST /shutdown), which uvicorn re-raises once it is done
+        code = 128 + signal.SIGINT
+    finally:  # an error escapes after this, the slow way
         log.info("shutting the engine down")
         compat.shutdown(llm)
+    # The engine and its processes are down; what is left is the interpreter's teardown (a garbage collection of
+    # the whole heap of vLLM, torch and the compiled model, then every module), which nothing here needs. Without
+    # it and vLLM's own collections (compat.shutdown), a quickstart server stops in 0.4 s, not 3.5 s.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Names relied on, checked against vllm 0.32.0's source:
 from __future__ import annotations
 
 import base64
+import gc
 import importlib.metadata
 import itertools
 import inspect
@@ -346,5 +347,12 @@ def engine_dead(llm: vllm.LLM) -> bool:
 
 
 def shutdown(llm: vllm.LLM) -> None:
-    """Stops the engine process and its workers now (vLLM otherwise does it only in finalizers at exit)."""
-    llm.llm_engine.engine_core.shutdown()
+    """Stops the engine process and its workers now (vLLM otherwise does it only in finalizers at exit), for a
+    process that exits next. Without the full garbage collections vLLM's shutdown runs (it unfreezes the heap it
+    froze after start-up and collects it all, which frees GPU memory for a process that goes on): the quickstart
+    model's CPU engine stopped in 1.10 s with them, 0.13 s without."""
+    collect, gc.collect = gc.collect, lambda generation=2: 0
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        gc.collect = collect
