@@ -25,6 +25,10 @@ import torch
 from apmpo.rollout.net import is_loopback
 from apmpo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, Transport, WeightGroup, plan_buckets, select_transport, send_buckets
 
+# How often a starting server is asked whether it is ready: it refuses connections until its engine is loaded,
+# so asking is cheap, and each poll interval is start-up time lost on average by half.
+READY_POLL_S = 0.2
+
 
 class ServerUnavailable(ConnectionError):
     """The server did not answer (refused, reset or timed out) after the retries."""
@@ -95,7 +99,7 @@ class GenerationClient:
             except ServerUnavailable:
                 if time.monotonic() > deadline:
                     raise ServerUnavailable(f"generation server at {self.url} not ready after {timeout_s:.0f} s") from None
-                time.sleep(1.0)
+                time.sleep(READY_POLL_S)
 
     def info(self) -> dict[str, Any]:
         self._info = self._request("GET", "/info")

@@ -34,7 +34,7 @@ from typing import Iterator
 
 import torch
 
-from apmpo.rollout.client import GenerationClient, ServerUnavailable
+from apmpo.rollout.client import READY_POLL_S, GenerationClient, ServerUnavailable
 from apmpo.rollout.net import bind_socket, is_loopback
 from apmpo.rollout.pool import ServerPool
 
@@ -223,7 +223,7 @@ def _wait_until_ready(servers: list[ServerProcess], timeout_s: float) -> None:
                 raise ServerStartError(f"generation server {pending[0].url} not ready after {timeout_s:.0f} s; "
                                        f"log {pending[0].log_path}:\n{pending[0].log_tail()}")
             if pending:
-                time.sleep(1.0)
+                time.sleep(READY_POLL_S)
     finally:
         for client in clients.values():
             client.close()
