@@ -61,10 +61,8 @@ def close_distributed() -> None:
     """Tears this rank's process group down once every rank is past its last collective. Each process that called
     init_distributed ends with it: a rank that exited while another's gloo threads still ran aborted that one
     ('terminate called without an active exception', exit -6), now and then, under load."""
-    import torch.distributed as torch_dist
-
-    torch_dist.barrier()
-    torch_dist.destroy_process_group()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def cpu_threads(cores: int, world_size: int, generates_meanwhile: bool) -> int:
