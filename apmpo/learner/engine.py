@@ -58,9 +58,10 @@ def init_distributed(timeout_s: float = 7200.0, generates_meanwhile: bool = True
 
 
 def close_distributed() -> None:
-    """Tears this rank's process group down once every rank is past its last collective. Each process that called
-    init_distributed ends with it: a rank that exited while another's gloo threads still ran aborted that one
-    ('terminate called without an active exception', exit -6), now and then, under load."""
+    """Tears this rank's process group down once every rank is past its last collective. Every rank of a
+    several-rank group ends with it (launch/train.py, the tests' workers): a rank that exited while another's gloo
+    threads still ran aborted that one ('terminate called without an active exception', exit -6), now and then,
+    under load. A lone rank has no peer to abort (scripts/gpu_check.py runs its checks in one)."""
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
