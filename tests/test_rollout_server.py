@@ -202,6 +202,12 @@ def test_push_weights_equals_a_fresh_server_on_the_checkpoint(which, request, tm
             with GenerationClient(server.url, token=TOKEN, transport="gloo") as over_gloo:
                 assert over_gloo.push_weights(original.named_parameters()) == version + 2
             assert _greedy(client) == before
+            # The shm client again: its group was replaced, which the server says (409) before loading anything,
+            # so it shares a segment anew; then a push written in place, loaded in one request.
+            assert client.push_weights(perturbed.named_parameters()) == version + 3
+            assert not client.last_push["in_place"] and _greedy(client) == after
+            assert client.push_weights(original.named_parameters()) == version + 4
+            assert client.last_push["in_place"] and _greedy(client) == before
             if which == "tied":
                 _check_killed_server_is_a_quick_clear_error(reference, fresh)
     finally:

@@ -9,6 +9,8 @@ Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token
     POST /weights/init    the workers join the learner's side group (learner = rank 0, workers = 1..W)
     POST /weights/begin   pause generation; the workers receive the declared buckets and load them
     POST /weights/finish  wait for the load, reset the prefix cache, bump the weight version, resume
+    POST /weights/load    shm, once the workers map the learner's segment: the learner has written the whole
+                          update into it, so the server loads it as begin + finish would, in one request
     POST /shutdown
 
 The engine is not thread-safe and an update must not interleave with generation, so one lock serialises
@@ -130,6 +132,10 @@ class BucketModel(_Strict):
 
 class BeginUpdateRequest(_Strict):
     buckets: list[BucketModel]
+
+
+class LoadUpdateRequest(BeginUpdateRequest):
+    segment: str  # the shm segment the workers mapped in an earlier push (its path, a unique name)
 
 
 class WeightVersionResponse(BaseModel):
@@ -304,12 +310,16 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
                                   **req.model_dump())
         return {"status": "ok"}
 
-    def run_update(buckets: list[dict], locked: threading.Event) -> WeightUpdateResponse:
+    def run_update(buckets: list[dict], locked: threading.Event, in_place: str | None = None) -> WeightUpdateResponse:
         with engine_lock:
             locked.set()
+            if in_place is not None and not all(compat.collective_rpc(
+                    llm, "apmpo_maps_segment", rpc_timeout_s=60, path=in_place, nbytes=sum(b["nbytes"] for b in buckets))):
+                raise HTTPException(409, f"the engine does not map the shared segment {in_place} (another client's "
+                                         "group replaced it): push through /weights/begin")
             try:
                 timings = compat.collective_rpc(llm, "apmpo_receive_weights", rpc_timeout_s=limits.update_timeout_s,
-                                                buckets=buckets)
+                                                buckets=buckets, in_place=in_place)
             finally:
                 # Even a failed load may have changed some layers: stale cached KV (and image embeddings) must
                 # not survive either way.
@@ -353,6 +363,18 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         finally:
             if future.done():
                 state["update"] = None
+
+    @app.post("/weights/load", dependencies=auth)
+    def load_update(req: LoadUpdateRequest) -> WeightUpdateResponse:
+        # The bytes are all in place before the request, so the load needs nothing more from the learner and runs
+        # in the request itself: a learner that dies meanwhile cannot wedge it. It waits behind a generate.
+        try:  # behind a begun update too: it holds the engine lock until its load ends
+            return run_update(req.model_dump()["buckets"], threading.Event(), in_place=req.segment)
+        except HTTPException:
+            raise
+        except Exception as error:
+            log.exception("weight update failed")
+            raise HTTPException(500, f"weight update failed, engine weights may be partly updated: {error!r}") from None
 
     @app.post("/shutdown", dependencies=auth)
     def shutdown() -> dict[str, str]:

@@ -9,6 +9,8 @@ Transports (`select_transport` picks one; callers may override):
   workers map, and gloo carries only "bucket k is ready": the bytes never cross a socket, and the engine loads
   straight from the mapping. (Over gloo the socket copies competed with vLLM's CPU reload for the one core
   vLLM binds its worker to: a 0.5B push took 4.3 s over gloo and takes 2.5 s over shm, benchmarks/weight_sync.py.)
+  Once the workers map a segment that holds the update, later pushes write all of it in place first and the
+  workers load it without any collective (`in_place`): one request to the server, no gloo round trip.
 - `nccl`: learner and engine on different GPUs or nodes. Buckets are broadcast over a NCCL group.
 - `cuda_ipc`: learner and engine share one GPU (NCCL refuses two ranks on one device). Each bucket stays in the
   learner's memory; a CUDA IPC handle goes over gloo and the worker copies from it.
@@ -204,6 +206,11 @@ class WeightGroup:
                                "use the gloo transport if the engine runs in another container")
         return self.segment
 
+    def maps(self, path: str, nbytes: int) -> bool:
+        """shm: whether this group's mapped segment is `path` and holds `nbytes`."""
+        return (self.transport == "shm" and self.segment is not None and self.segment_path == path
+                and self.segment.numel() >= nbytes)
+
     def close(self) -> None:
         self.segment = None
         if self.rank == 0 and self.segment_path and os.path.exists(self.segment_path):
@@ -264,6 +271,20 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.
         wait_done(pending, packed.device, group.timeout_s)
 
 
+def holds_in_place(group: WeightGroup, buckets: list[Bucket]) -> bool:
+    """shm: whether the workers already map a segment of ours large enough for `buckets` (shared by an earlier
+    push), so that this one can be written in place and loaded without a collective."""
+    return group.maps(group.segment_path, sum(b.nbytes for b in buckets))
+
+
+def pack_in_place(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.Tensor]) -> None:
+    """shm, when `holds_in_place`: packs every bucket into its place in the shared segment."""
+    start = 0
+    for bucket, offset in zip(buckets, bucket_offsets(buckets)):
+        pack(tensors[start : start + len(bucket.tensors)], bucket, group.segment[offset:])
+        start += len(bucket.tensors)
+
+
 def _send_ipc_handle(group: WeightGroup, packed: torch.Tensor) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -275,19 +296,28 @@ def _send_ipc_handle(group: WeightGroup, packed: torch.Tensor) -> None:
 # --- engine side -------------------------------------------------------------------------------------------
 
 
-def receive_buckets(group: WeightGroup, buckets: list[Bucket], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) in the planned order, receiving bucket k+1 while the caller loads bucket k."""
+def receive_buckets(group: WeightGroup, buckets: list[Bucket], device: torch.device,
+                    in_place: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) in the planned order, receiving bucket k+1 while the caller loads bucket k.
+    `in_place` (shm): the path of the segment this group mapped earlier, into which the learner has already
+    packed every bucket (`pack_in_place`); nothing is received."""
 
     if group.transport == "shm" and buckets:
-        segment = group.share_segment(sum(b.nbytes for b in buckets))
+        nbytes = sum(b.nbytes for b in buckets)
+        if in_place is not None and not group.maps(in_place, nbytes):  # apmpo_maps_segment said so before
+            raise RuntimeError(f"the engine does not map the shared segment {in_place} (or it is too small)")
+        segment = group.segment if in_place is not None else group.share_segment(nbytes)
         offsets = bucket_offsets(buckets)
+    elif in_place is not None:
+        raise RuntimeError(f"an in-place load needs the engine's weight group to be shm, not {group.transport}")
 
     def start(k: int) -> tuple[torch.Tensor, dist.Work | None]:
         bucket = buckets[k]
         if group.transport == "cuda_ipc":
             return _receive_ipc_bucket(group, bucket, device), None
-        if group.transport == "shm":  # the bytes are in place once the learner says so
-            return segment[offsets[k] : offsets[k] + bucket.nbytes], group.broadcast(torch.empty(1, dtype=torch.int64))
+        if group.transport == "shm":  # the bytes are in place once the learner says so (or before it asked)
+            view = segment[offsets[k] : offsets[k] + bucket.nbytes]
+            return view, None if in_place else group.broadcast(torch.empty(1, dtype=torch.int64))
         on = device if group.transport == "nccl" else torch.device("cpu")
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=on)  # fresh: the loader may keep views
         return buffer, group.broadcast(buffer)
@@ -328,9 +358,16 @@ class WeightReceiverExtension:
             group.close()
         self._apmpo_group = None
 
-    def apmpo_receive_weights(self, buckets: list[dict]) -> dict[str, float]:
-        """Receives and loads one update; returns the seconds in vLLM's reload, and how many of them were spent
-        waiting for bytes (the rest is the engine's own loading, a floor no transport can lower)."""
+    def apmpo_maps_segment(self, path: str, nbytes: int) -> bool:
+        """Whether an in-place load from `path` can run: this worker's group is the shm group that mapped it (not
+        one another learner has put in its place since)."""
+        group = getattr(self, "_apmpo_group", None)
+        return group is not None and group.maps(path, nbytes)
+
+    def apmpo_receive_weights(self, buckets: list[dict], in_place: str | None = None) -> dict[str, float]:
+        """Receives and loads one update (`in_place`: already in that shm segment, see receive_buckets); returns
+        the seconds in vLLM's reload, and how many of them were spent waiting for bytes (the rest is the engine's
+        own loading, a floor no transport can lower)."""
         group = getattr(self, "_apmpo_group", None)
         if group is None:
             raise RuntimeError("no weight group: call init first")
@@ -345,7 +382,7 @@ class WeightReceiverExtension:
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count, waited
-            received = receive_buckets(group, plan, device)
+            received = receive_buckets(group, plan, device, in_place)
             while True:
                 start = time.perf_counter()
                 item = next(received, None)
