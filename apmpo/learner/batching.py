@@ -171,21 +171,20 @@ def collate(rollouts: list[Rollout], indices: list[int], pad_id: int) -> MicroBa
     """Right-padded tensors of the given rollouts; an empty list gives a zero-weight copy of rollout 0."""
     weight = 1.0 if indices else 0.0
     chosen = indices or [0]
-    rows = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in chosen]
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    engine_logp = torch.zeros((len(rows), width), dtype=torch.float32)
-    for k, i in enumerate(chosen):
-        prompt, completion = len(rollouts[i].prompt_ids), len(rollouts[i].completion_ids)
-        input_ids[k, : prompt + completion] = torch.tensor(rows[k])
-        attention_mask[k, : prompt + completion] = 1
-        loss_mask[k, prompt : prompt + completion] = True
-        engine_logp[k, prompt : prompt + completion] = torch.tensor(rollouts[i].engine_logprobs)
-    advantages = torch.tensor([rollouts[i].advantage for i in chosen], dtype=torch.float32)
+    rows = [rollouts[i] for i in chosen]
+    width = max(r.num_tokens for r in rows)
+    # Whole padded rows as lists, one tensor each: a row at a time took 2.8 ms for the quickstart's 128 rows.
+    input_ids = torch.tensor([r.prompt_ids + r.completion_ids + [pad_id] * (width - r.num_tokens) for r in rows],
+                             dtype=torch.long)
+    engine_logp = torch.tensor([[0.0] * len(r.prompt_ids) + list(r.engine_logprobs) + [0.0] * (width - r.num_tokens)
+                                for r in rows], dtype=torch.float32)
+    position = torch.arange(width)
+    ends = torch.tensor([r.num_tokens for r in rows])[:, None]
+    attention_mask = (position < ends).long()
+    loss_mask = (position >= torch.tensor([len(r.prompt_ids) for r in rows])[:, None]) & (position < ends)
+    advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     return MicroBatch(chosen, input_ids, attention_mask, loss_mask, advantages, engine_logp, weight,
-                      extras=_vision_extras([rollouts[i] for i in chosen], width))
+                      extras=_vision_extras(rows, width))
 
 
 def _vision_extras(rows: list[Rollout], width: int) -> dict[str, Tensor]:
