@@ -77,3 +77,30 @@ def test_cpu_engines_compile_text_models_when_a_cxx_compiler_exists(monkeypatch)
     assert not compat.compiles_on_cpu(vision=True)
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))  # a machine without one: eager
     assert not compat.compiles_on_cpu(vision=False)
+
+
+def test_a_cpu_engine_builds_without_collections_then_collects_once():
+    """Inside: no automatic collection, and vLLM's gc.collect() calls do nothing; after: gc as it was, the garbage
+    of the build collected, and a heap that was frozen inside frozen again. Also when the build fails."""
+    import gc
+    import weakref
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    collect, collections = gc.collect, gc.get_stats()[2]["collections"]
+    assert gc.isenabled()
+    with compat._collected_once():
+        assert not gc.isenabled() and gc.collect() == 0
+        cycle = Cycle()  # garbage that only a collection frees
+        garbage = weakref.ref(cycle)
+        del cycle
+        gc.freeze()  # as vLLM does once its engine is up
+        assert garbage() is not None
+    assert gc.isenabled() and gc.collect is collect and gc.get_stats()[2]["collections"] == collections + 1
+    assert garbage() is None and gc.get_freeze_count() > 0
+    gc.unfreeze()
+    with pytest.raises(RuntimeError), compat._collected_once():
+        raise RuntimeError("the engine failed to start")
+    assert gc.isenabled() and gc.collect is collect and gc.get_freeze_count() == 0
