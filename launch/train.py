@@ -41,6 +41,7 @@ from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_best, save_checkpoint
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
 from apmpo.learner.engine import Dist, build_engine, check_devices, close_distributed, init_distributed, load_model
+from apmpo.learner.logprobs import shares_prompts
 from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
@@ -168,7 +169,9 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
                    pad_id: int, seed: int, recompute_old: bool = False) -> dict[str, float]:
     """Steps 6-7 on every rank: old and reference log-probs, then `epochs` passes over the mini-batches, one
     DeepSpeed optimiser step each. Returns the step's metrics, reduced over ranks, with their timings."""
-    plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed)
+    packed = shares_prompts(engine.module) and not any(r.mm for r in rollouts)  # as token_logprobs will do
+    plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed,
+                     packed)
     micro = [[collate(rollouts, indices, pad_id) for indices in step.micro[dist.rank]] for step in plan]
     groups = torch.tensor([r.group for r in rollouts])
     totals, times, device = StepTotals(), {}, dist.device

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from apmpo.config import load_config  # noqa: E402
 from apmpo.learner.batching import Rollout, plan_step  # noqa: E402
 from apmpo.learner.engine import build_engine, close_distributed, init_distributed  # noqa: E402
+from apmpo.learner.logprobs import shares_prompts  # noqa: E402
 from apmpo.loss import adaptive_params, group_advantages  # noqa: E402
 from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
 
@@ -72,7 +73,8 @@ def main():
         rollouts[0].advantage = float("nan")
     if args.no_rollouts:
         rollouts = []
-    plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed=0)
+    plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed=0,
+                     packed=shares_prompts(engine.module))  # as train_on_batch plans it
     grad_norms = []
     engine.step = _recording(engine.step, engine, grad_norms)
     metrics = load_train_module().train_on_batch(engine, reference, rollouts, params, cfg, dist,

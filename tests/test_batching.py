@@ -1,5 +1,6 @@
 """The step plan: every sequence trained once per optimiser step, ranks balanced, budgets kept."""
 import pytest
+import torch
 
 from apmpo.learner.batching import Rollout, collate, equalize, plan_step, shard_by_tokens, split_by_budget
 
@@ -122,3 +123,32 @@ def test_prompt_sampler_is_seeded_covers_each_epoch_and_resumes():
     assert sorted(second_epoch) == list(range(10)) and second_epoch != first
     resumed = PromptSampler(10, seed=3, **PromptSampler(10, seed=3, epoch=0, position=4).state_dict())
     assert resumed.take(6) == first[4:]
+
+
+def test_packed_plan_keeps_groups_whole_within_the_budget_of_what_packing_computes():
+    from apmpo.learner.batching import packed_size, split_packed
+
+    g = torch.Generator().manual_seed(0)
+    batch = []
+    for group in range(12):
+        prompt = torch.randint(3, 50, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(4):
+            n = int(torch.randint(1, 30, (1,), generator=g))
+            batch.append(Rollout(prompt, [7] * n, [0.0] * n, "stop", group=group))
+    batch += [Rollout([5] * 4, [7] * 200, [0.0] * 200, "stop", group=12) for _ in range(4)]  # over the budget alone
+    # packed_size by hand: one group, prompt of 3, completions of 5, 2, 2, 1 tokens -> inputs 4, 1, 1, 0, width 4:
+    # rows [4] and [1, 1]; 3 prompt tokens once, then 2 rows of 3 + 4.
+    hand = [Rollout([1, 2, 3], [7] * n, [0.0] * n, "stop", group=0) for n in (5, 2, 2, 1)]
+    assert packed_size(hand) == 3 + 2 * (3 + 4)
+    budget = 300
+    micro = split_packed(list(range(len(batch))), batch, budget)
+    assert sorted(i for m in micro for i in m) == list(range(len(batch)))
+    oversize = {r.group for r in batch if packed_size([x for x in batch if x.group == r.group]) > budget}
+    assert oversize == {12} and any(len({batch[i].group for i in m}) > 1 for m in micro)
+    for m in micro:
+        groups = {batch[i].group for i in m}
+        if groups & oversize:  # cut by split_by_budget: within the padded budget
+            assert len(groups) == 1 and len(m) * max(batch[i].num_tokens for i in m) <= budget
+        else:  # whole groups, within the budget
+            assert all(sum(batch[i].group == k for i in m) == 4 for k in groups)
+            assert packed_size([batch[i] for i in m]) <= budget

@@ -145,8 +145,44 @@ def test_a_shared_prompt_runs_once(monkeypatch):
     monkeypatch.setattr(model.model, "forward", lambda **kw: seen.append(kw["input_ids"].shape) or backbone(**kw))
     token_logprobs(model, input_ids, attention_mask, logits_mask)
     prompt_lengths = logits_mask.int().argmax(1)
-    # The 3 distinct prompts once, then the 12 rows from their prompt's end (less the last token: it predicts none).
-    assert seen == [(3, int(prompt_lengths.max())), (12, input_ids.shape[1] - int(prompt_lengths.min()) - 1)]
+    inputs = attention_mask.sum(1) - prompt_lengths - 1  # each completion less its last token (it predicts none)
+    # The 3 distinct prompts once, then the completions packed into rows as wide as the longest, fewer than 12.
+    assert seen[0] == (3, int(prompt_lengths.max()))
+    packed, width = seen[1]
+    assert width == int(inputs.max()) and packed < 12 and packed * width >= int(inputs.sum())
+
+
+def test_packing_puts_each_segment_whole_in_a_row_of_its_prompt():
+    lengths, prompt_of, width = [5, 1, 3, 0, 2, 4, 5, 1, 2], [0, 0, 0, 0, 1, 1, 1, 0, 1], 5
+    packed_prompt, row, column = logprobs_module.pack(lengths, prompt_of, width)
+    used = set()
+    for i, length in enumerate(lengths):
+        if length:
+            assert packed_prompt[row[i]] == prompt_of[i] and column[i] + length <= width
+            cells = {(row[i], column[i] + k) for k in range(length)}
+            assert not cells & used
+            used |= cells
+    assert sorted(packed_prompt) == [0, 0, 1, 1, 1]  # prompt 0: [5], [3, 1, 1]; prompt 1: [5], [4], [2, 2]
+
+
+@pytest.mark.parametrize("shape", ["one-token completions", "some one-token completions"])
+def test_rows_sharing_a_prompt_with_one_token_completions(shape):
+    model = make_model(tied=False)
+    input_ids, attention_mask, logits_mask = make_group_batch(len(tokenizer()), seed=3)
+    starts = logits_mask.int().argmax(1)
+    cut = range(len(starts)) if shape == "one-token completions" else range(0, len(starts), 3)
+    for i in cut:  # completion of one token: only the prompt's last state scores it
+        attention_mask[i, starts[i] + 1 :] = 0
+        logits_mask[i, starts[i] + 1 :] = False
+        input_ids[i, starts[i] + 1 :] = tokenizer().pad_token_id
+    weights = torch.randn(input_ids.shape, generator=torch.Generator().manual_seed(1))
+    logp, _ = token_logprobs(model, input_ids, attention_mask, logits_mask)
+    ref_logp, _ = reference(model, input_ids, attention_mask, logits_mask, 1.0)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    grads, ref_grads = grads_of(model, logp, weights), grads_of(model, ref_logp, weights)
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
 
 
 def test_gradient_checkpointing_forwards_whole_rows():

@@ -7,9 +7,10 @@ needs no communication:
 2. rank shards: each mini-batch's sequences dealt to the data-parallel ranks, balanced by token count
    (longest first, to the rank with the fewest tokens so far);
 3. micro-batches: each shard, sorted by length, cut where padding and micro-batches cost least within a token
-   budget (padded length x rows); every rank gets the same number of micro-batches per optimiser step, because
-   ZeRO's gradient reduction is collective: a rank with fewer sequences gets empty micro-batches, run as
-   zero-weight dummies.
+   budget (padded length x rows); or, for a model whose log-probs pack the completions of a prompt into shared
+   rows (apmpo.learner.logprobs), whole groups in order within the budget of what packing computes. Every rank
+   gets the same number of micro-batches per optimiser step, because ZeRO's gradient reduction is collective: a
+   rank with fewer sequences gets empty micro-batches, run as zero-weight dummies.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from apmpo.learner.logprobs import pack
 
 # What one more micro-batch costs, in padded tokens: in the quickstart model's log-probs and update (reference
 # forward, forward, backward), 128 rows of 54 tokens took 0.147 s in one micro-batch, 0.177 s in four and 0.264 s
@@ -119,6 +122,44 @@ def split_by_budget(indices: list[int], lengths: list[int], token_budget: int,
     return micro[::-1]
 
 
+def packed_size(rows: list[Rollout]) -> int:
+    """The tokens a micro-batch of `rows` computes when the rows of a prompt share it and pack their completions
+    (apmpo.learner.logprobs): each distinct prompt once, then packed rows as long as the longest prompt (their
+    cache) plus the longest completion."""
+    prompts: dict[tuple[int, ...], int] = {}
+    prompt_of = [prompts.setdefault(tuple(r.prompt_ids), len(prompts)) for r in rows]
+    longest_prompt = max(len(p) for p in prompts)
+    inputs = [max(len(r.completion_ids) - 1, 0) for r in rows]  # the last token predicts nothing
+    width = max(inputs)
+    packed = len(pack(inputs, prompt_of, width)[0]) if width else 0
+    return len(prompts) * longest_prompt + packed * (longest_prompt + width)
+
+
+def split_packed(indices: list[int], rollouts: list[Rollout], token_budget: int) -> list[list[int]]:
+    """Micro-batches for packed log-probs: whole groups in order (the completions of a group pack together), each
+    micro-batch taking the next group while its packed_size stays within the budget. A group over the budget on
+    its own is cut as split_by_budget cuts it. On the quickstart's 64-token batches one micro-batch instead of
+    three sorted by length: the learner's step (reference forward, forward, backward) took 0.10-0.11 s instead of
+    0.15-0.16 (its budget raised to 16384 tokens for both)."""
+    by_group: dict[int, list[int]] = {}
+    for i in indices:
+        by_group.setdefault(rollouts[i].group, []).append(i)
+    micro: list[list[int]] = []
+    current: list[int] = []
+    for rows in by_group.values():
+        if packed_size([rollouts[i] for i in current + rows]) <= token_budget:
+            current = current + rows
+            continue
+        if current:
+            micro.append(current)
+        current = []
+        if packed_size([rollouts[i] for i in rows]) <= token_budget:
+            current = rows
+        else:
+            micro += split_by_budget(rows, [r.num_tokens for r in rollouts], token_budget)
+    return micro + [current] if current else micro
+
+
 def equalize(micro: list[list[int]], count: int) -> list[list[int]]:
     """Split the largest micro-batches until there are `count`; pad with empty ones (zero-weight dummies)."""
     micro = [list(m) for m in micro]
@@ -145,11 +186,11 @@ class OptimizerStep:
         return [i for rank in self.micro for batch in rank for i in batch]
 
 
-def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_budget: int, seed: int
-              ) -> list[OptimizerStep]:
+def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_budget: int, seed: int,
+              packed: bool = False) -> list[OptimizerStep]:
     """The optimiser steps of one rollout batch (`num_steps`, fewer if there are fewer groups), each cut into
-    every rank's micro-batches. No rollouts (all masked, e.g. every completion truncated under
-    rollout.mask_truncated): no step."""
+    every rank's micro-batches (`packed`: the model's log-probs pack completions, so by split_packed). No rollouts
+    (all masked, e.g. every completion truncated under rollout.mask_truncated): no step."""
     if not rollouts:
         return []
     lengths = [r.num_tokens for r in rollouts]
@@ -160,7 +201,8 @@ def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_bu
     plan = []
     for chunk in mini_batches(len(groups), num_steps, seed):
         indices = [i for g in chunk for i in by_group[groups[g]]]
-        per_rank = [split_by_budget(s, lengths, token_budget) for s in shard_by_tokens(indices, lengths, world_size)]
+        per_rank = [split_packed(s, rollouts, token_budget) if packed else split_by_budget(s, lengths, token_budget)
+                    for s in shard_by_tokens(indices, lengths, world_size)]
         count = max(len(m) for m in per_rank)
         plan.append(OptimizerStep([equalize(m, count) for m in per_rank], len(indices),
                                   sum(len(rollouts[i].completion_ids) for i in indices)))
