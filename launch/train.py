@@ -110,6 +110,12 @@ def main(cfg: Config, resume: str) -> None:
                 stop_token_ids=stop_ids, vision=vision), cfg.train.max_staleness, cfg.train.steps)
             stack.callback(stream.close)
 
+        # One full collection now, of all the start-up left, and then the heap it leaves is frozen: the steps'
+        # collections never scan it (the first one after start-up took 0.33 s of a 0.25 s step). Unfrozen at the
+        # end, so that the interpreter's teardown frees it as usual (triton's bindings report leaks otherwise).
+        gc.collect()
+        gc.freeze()
+        stack.callback(gc.unfreeze)
         gc.enable()
         skipped_in_a_row = 0
         for step in range(start_step + 1, cfg.train.steps + 1):
