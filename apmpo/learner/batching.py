@@ -124,56 +124,67 @@ def split_by_budget(indices: list[int], lengths: list[int], token_budget: int,
 
 def packed_size(rows: list[Rollout]) -> int:
     """The tokens a micro-batch of `rows` computes when the rows of a prompt share it and pack their completions
-    (apmpo.learner.logprobs): each distinct prompt once, then packed rows as long as the longest prompt (their
-    cache) plus the longest completion."""
-    prompts: dict[tuple[int, ...], int] = {}
-    prompt_of = [prompts.setdefault(tuple(r.prompt_ids), len(prompts)) for r in rows]
-    longest_prompt = max(len(p) for p in prompts)
-    inputs = [max(len(r.completion_ids) - 1, 0) for r in rows]  # the last token predicts nothing
-    width = max(inputs)
-    packed = len(pack(inputs, prompt_of, width)[0]) if width else 0
-    return len(prompts) * longest_prompt + packed * (longest_prompt + width)
+    (apmpo.learner.logprobs): each group's prompt once, then packed rows as long as the longest prompt (their
+    cache) plus the longest completion. A group's rows share a prompt; groups with the same prompt, which the
+    forward merges, are counted apart: never less than it computes."""
+    by_group: dict[int, list[Rollout]] = {}
+    for r in rows:
+        by_group.setdefault(r.group, []).append(r)
+    longest = max(len(r.prompt_ids) for r in rows)
+    inputs = [_inputs(group) for group in by_group.values()]
+    width = max(max(i) for i in inputs)
+    return _size(len(by_group), longest, width, sum(_packed_rows(i, width) for i in inputs))
+
+
+def _inputs(rows: list[Rollout]) -> list[int]:
+    return [max(len(r.completion_ids) - 1, 0) for r in rows]  # the last token predicts nothing
+
+
+def _packed_rows(inputs: list[int], width: int) -> int:
+    """The rows that one prompt's completions (their `inputs` tokens) pack into at `width` (logprobs.pack)."""
+    return len(pack(inputs, [0] * len(inputs), width)[0]) if width else 0
+
+
+def _size(groups: int, longest_prompt: int, width: int, packed_rows: int) -> int:
+    return groups * longest_prompt + packed_rows * (longest_prompt + width)
 
 
 def split_packed(indices: list[int], rollouts: list[Rollout], token_budget: int) -> list[list[int]]:
     """Micro-batches for packed log-probs: whole groups in order (the completions of a group pack together), each
-    micro-batch taking the next group while its packed_size stays within the budget. The rows of groups over the
-    budget on their own are cut together as split_by_budget cuts them. On the quickstart's 64-token batches one micro-batch instead of
-    three sorted by length: the learner's step (reference forward, forward, backward) took 0.10-0.11 s instead of
-    0.15-0.16 (its budget raised to 16384 tokens for both).
-
-    The size is packed_size's, a group's packed rows counted at each width once (a group's rows share a prompt;
-    groups with the same prompt, which the forward merges, are counted apart: never less than it computes)."""
+    micro-batch taking the next group while its packed_size stays within the budget (kept as it grows: a group's
+    packed rows are counted again only when the micro-batch's width grows). The rows of groups over the budget on
+    their own are cut together as split_by_budget cuts them. On the quickstart's 64-token batches one micro-batch
+    instead of three sorted by length: the learner's step (reference forward, forward, backward) took 0.10-0.11 s
+    instead of 0.15-0.16 (its budget raised to 16384 tokens for both)."""
     by_group: dict[int, list[int]] = {}
     for i in indices:
         by_group.setdefault(rollouts[i].group, []).append(i)
-    inputs = {g: [max(len(rollouts[i].completion_ids) - 1, 0) for i in rows] for g, rows in by_group.items()}
-    packed_rows: dict[tuple[int, int], int] = {}  # (group, width) -> its rows packed at that width
-
-    def size(groups: list[int]) -> int:
-        longest = max(len(rollouts[by_group[g][0]].prompt_ids) for g in groups)
-        width = max(max(inputs[g]) for g in groups)
-        for g in groups:
-            if width and (g, width) not in packed_rows:
-                packed_rows[g, width] = len(pack(inputs[g], [0] * len(inputs[g]), width)[0])
-        return len(groups) * longest + sum(packed_rows.get((g, width), 0) for g in groups) * (longest + width)
-
     micro: list[list[int]] = []
-    current: list[int] = []  # groups
     over: list[int] = []  # the rows of groups over the budget on their own
-    for g in by_group:
-        if size(current + [g]) <= token_budget:
-            current.append(g)
+    current: list[list[int]] = []  # the micro-batch's groups' inputs, and what its packed_size is made of:
+    rows: list[int] = []
+    longest = width = packed = 0
+    for g, members in by_group.items():
+        inputs = _inputs([rollouts[i] for i in members])
+        longest_g, width_g = max(len(rollouts[i].prompt_ids) for i in members), max(inputs)
+        grown = max(width, width_g)
+        packed_g = (packed if grown == width else sum(_packed_rows(i, grown) for i in current)) \
+            + _packed_rows(inputs, grown)
+        if _size(len(current) + 1, max(longest, longest_g), grown, packed_g) <= token_budget:
+            current.append(inputs)
+            rows += members
+            longest, width, packed = max(longest, longest_g), grown, packed_g
             continue
-        if current:
-            micro.append([i for k in current for i in by_group[k]])
-        current = []
-        if size([g]) <= token_budget:
-            current = [g]
+        if rows:
+            micro.append(rows)
+        if _size(1, longest_g, width_g, _packed_rows(inputs, width_g)) <= token_budget:
+            current, rows = [inputs], list(members)
+            longest, width, packed = longest_g, width_g, _packed_rows(inputs, width_g)
         else:
-            over += by_group[g]
-    if current:
-        micro.append([i for k in current for i in by_group[k]])
+            over += members
+            current, rows, longest, width, packed = [], [], 0, 0, 0
+    if rows:
+        micro.append(rows)
     return micro + (split_by_budget(over, [r.num_tokens for r in rollouts], token_budget) if over else [])
 
 
