@@ -161,28 +161,29 @@ def split_packed(indices: list[int], rollouts: list[Rollout], token_budget: int)
         by_group.setdefault(rollouts[i].group, []).append(i)
     micro: list[list[int]] = []
     over: list[int] = []  # the rows of groups over the budget on their own
-    current: list[list[int]] = []  # the micro-batch's groups' inputs, and what its packed_size is made of:
+    # The micro-batch being filled: its rows, its groups' inputs, and the terms of its packed_size.
     rows: list[int] = []
+    group_inputs: list[list[int]] = []
     longest = width = packed = 0
-    for g, members in by_group.items():
+    for members in by_group.values():
         inputs = _inputs([rollouts[i] for i in members])
-        longest_g, width_g = max(len(rollouts[i].prompt_ids) for i in members), max(inputs)
-        grown = max(width, width_g)
-        packed_g = (packed if grown == width else sum(_packed_rows(i, grown) for i in current)) \
-            + _packed_rows(inputs, grown)
-        if _size(len(current) + 1, max(longest, longest_g), grown, packed_g) <= token_budget:
-            current.append(inputs)
+        prompt = max(len(rollouts[i].prompt_ids) for i in members)
+        wider = max(width, max(inputs))
+        packed_with = (packed if wider == width else sum(_packed_rows(i, wider) for i in group_inputs)) \
+            + _packed_rows(inputs, wider)
+        if _size(len(group_inputs) + 1, max(longest, prompt), wider, packed_with) <= token_budget:
             rows += members
-            longest, width, packed = max(longest, longest_g), grown, packed_g
+            group_inputs.append(inputs)
+            longest, width, packed = max(longest, prompt), wider, packed_with
             continue
         if rows:
             micro.append(rows)
-        if _size(1, longest_g, width_g, _packed_rows(inputs, width_g)) <= token_budget:
-            current, rows = [inputs], list(members)
-            longest, width, packed = longest_g, width_g, _packed_rows(inputs, width_g)
+        rows, group_inputs, longest, width, packed = [], [], 0, 0, 0
+        alone = _packed_rows(inputs, max(inputs))
+        if _size(1, prompt, max(inputs), alone) <= token_budget:
+            rows, group_inputs, longest, width, packed = list(members), [inputs], prompt, max(inputs), alone
         else:
             over += members
-            current, rows, longest, width, packed = [], [], 0, 0, 0
     if rows:
         micro.append(rows)
     return micro + (split_by_budget(over, [r.num_tokens for r in rollouts], token_budget) if over else [])
