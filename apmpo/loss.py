@@ -7,7 +7,7 @@
     params = adaptive_params(rewards, cfg)             # p, FSS, eps_ada from the step's reward statistics
     loss, metrics = policy_loss(logp, old_logp, advantages.flatten(), mask, cfg, params)
 
-The formulas are those of ../shared/SPEC.md (APMPO paper, contradictions resolved), and of the Dr. GRPO
+The formulas are those of docs/SPEC.md (APMPO paper, contradictions resolved), and of the Dr. GRPO
 (Liu et al. 2025) and GSPO (Zheng et al. 2025) papers. Three concerns are kept apart, each one small function:
 
 1. the per-token objective: the sign-aware clip of the log-ratio (`clip_bounds`, applied in `_clip`);

@@ -3,7 +3,7 @@
     deepspeed launch/train.py --config configs/quickstart.yaml [--set loss.name=grpo ...] [--resume]
     python launch/train.py --config configs/quickstart.yaml            # one process, no launcher
 
-One step, as in ARCHITECTURE.md: rank 0 samples B prompts, asks the generation server(s) (separate vLLM
+One step, as in docs/ARCHITECTURE.md: rank 0 samples B prompts, asks the generation server(s) (separate vLLM
 processes) for G completions each, scores them and derives advantages and APMPO's p, FSS and eps_ada (with
 train.max_staleness >= 1 the next batches are generated meanwhile, in a background thread). Every rank receives
 the batch and computes the same plan: optimiser mini-batches, its token-balanced shard and token-budget
