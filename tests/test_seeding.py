@@ -17,14 +17,6 @@ def assert_disjoint(ranges: list[tuple[int, int]]) -> None:
         assert end <= next_start, (start, end, next_start)
 
 
-def test_the_old_strides_repeat_387_per_prompt_seeds_in_the_next_step():
-    # launch/train.py: step_seed = seed * 100003 + step; rollouts.py: step_seed * 1000 + round; server: + i * n.
-    def old(step):
-        return {(0 * 100_003 + step) * 1000 + 0 + i * G for i in range(B)}
-
-    assert len(old(1) & old(2)) == 387  # (1000 + 8 * 511 - 2000) / 8 + 1: the defect of issue 13
-
-
 def test_no_per_prompt_seed_repeats_across_1000_steps_of_the_papers_batch():
     requests = [train_request_seed(0, step, r, B * G) for step in range(1, STEPS + 1) for r in range(ROUNDS)]
     # Every per-prompt seed (request + i * G), counted: 1000 x 4 x 512 distinct values.

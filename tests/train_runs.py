@@ -6,6 +6,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# One short quickstart run, shared by the tests that read what a run leaves behind (metrics, checkpoints,
+# validation, the rollout-correction log) and by the kill test as its uninterrupted reference: every one of them
+# used to start its own servers and DeepSpeed. Save, validation, keep_best and token-level TIS are all on.
+QUICKSTART_RUN = ("train.steps=4", "checkpoint.save_every=2", "checkpoint.keep_last=3", "eval.every=2",
+                  "eval.limit=40", "checkpoint.keep_best=val/quickstart_val/pass@1", "correction.mode=tis",
+                  "correction.level=token")
+
 
 def train_command(config: str, *overrides: str) -> list[str]:
     """`python launch/train.py --config ROOT/config --set o ...`."""
