@@ -1,14 +1,17 @@
 """Runs the learner's update (launch/train.py's `train_on_batch`, steps 6-7) on synthetic rollouts, no server.
 
-    python tests/learner_update_worker.py OUT_DIR --set train.micro_batch_tokens=64 [--recompute-old]
-    deepspeed --num_gpus 2 tests/learner_update_worker.py OUT_DIR ...
+    python tests/learner_update_worker.py SCENARIOS.json
+    deepspeed --num_gpus 2 tests/learner_update_worker.py SCENARIOS.json
 
-Writes OUT_DIR/rank<r>.pt with the parameters after the optimiser steps, the gradient norm of each step, the
-step's metrics and the rollouts this rank trained on. tests/test_learner.py compares runs that split the same
-batch differently.
+SCENARIOS.json is a list of {"out": dir, "set": [overrides], "recompute_old": bool, "nan_advantage": bool,
+"no_rollouts": bool}; each scenario builds a fresh model and DeepSpeed engine in this one process (a process and
+its DeepSpeed import per scenario cost most of these tests' time), and writes out/rank<r>.pt with the parameters
+after the optimiser steps, the gradient norm of each step, the step's metrics and the rollouts this rank trained
+on. tests/test_learner.py compares scenarios that split the same batch differently.
 """
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -47,21 +50,26 @@ def synthetic_rollouts(num_groups: int, group_size: int, vocab: int, seed: int =
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("out_dir")
-    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("scenarios", help="a JSON list of scenarios (the module's docstring)")
     parser.add_argument("--local_rank", type=int, default=None)
-    parser.add_argument("--recompute-old", action="store_true", help="old log-probs by a separate forward")
-    parser.add_argument("--nan-advantage", action="store_true",
-                        help="fault injection: rollout 0's advantage is NaN (its optimiser step's gradients too)")
-    parser.add_argument("--no-rollouts", action="store_true",
-                        help="every completion masked (rollout.mask_truncated with all truncated): nothing to train")
     args = parser.parse_args()
+    dist = init_distributed()
+    train = load_train_module()
+    for scenario in json.loads(Path(args.scenarios).read_text()):
+        run_scenario(train, dist, **scenario)
+    close_distributed()
+
+
+def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool = False,  # noqa: A002
+                 nan_advantage: bool = False, no_rollouts: bool = False) -> None:
+    """recompute_old: old log-probs by a separate forward. nan_advantage: fault injection, rollout 0's advantage is
+    NaN (its optimiser step's gradients too). no_rollouts: every completion masked (rollout.mask_truncated with all
+    truncated), nothing to train."""
     # adam_eps well above round-off: Adam's first step is ~ lr * sign(g), so with a tiny eps a gradient that is
     # zero up to round-off would turn summation-order noise into +-lr steps and hide what the test compares.
     cfg = load_config(None, ["model.dtype=fp32", "rollout.prompts_per_step=8", "rollout.group_size=4",
                              "train.mini_batch_size=4", "optim.lr=1e-2", "optim.adam_eps=1e-3",
-                             "optim.max_grad_norm=1.0", *args.set])
-    dist = init_distributed()
+                             "optim.max_grad_norm=1.0", *set])
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, tie_word_embeddings=True, seed=0).train()
     engine = build_engine(model, cfg, dist)
@@ -69,23 +77,21 @@ def main():
 
     rollouts, rewards = synthetic_rollouts(cfg.rollout.prompts_per_step, cfg.rollout.group_size, len(tokenizer))
     params = adaptive_params(rewards, cfg.loss)
-    if args.nan_advantage:
+    if nan_advantage:
         rollouts[0].advantage = float("nan")
-    if args.no_rollouts:
+    if no_rollouts:
         rollouts = []
     plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed=0,
                      packed=shares_prompts(engine.module))  # as train_on_batch plans it
     grad_norms = []
     engine.step = _recording(engine.step, engine, grad_norms)
-    metrics = load_train_module().train_on_batch(engine, reference, rollouts, params, cfg, dist,
-                                                 tokenizer.pad_token_id, seed=0, recompute_old=args.recompute_old)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    metrics = train.train_on_batch(engine, reference, rollouts, params, cfg, dist, tokenizer.pad_token_id, seed=0,
+                                   recompute_old=recompute_old)
+    Path(out).mkdir(parents=True, exist_ok=True)
     torch.save({"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
                 "grad_norms": grad_norms, "micro_batches": [len(step.micro[dist.rank]) for step in plan],
                 "metrics": metrics, "trained": sorted(i for step in plan for m in step.micro[dist.rank] for i in m)},
-               out / f"rank{dist.rank}.pt")
-    close_distributed()
+               Path(out) / f"rank{dist.rank}.pt")
 
 
 def _recording(step, engine, grad_norms):

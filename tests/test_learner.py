@@ -2,9 +2,11 @@
 
 The same synthetic rollout batch goes through the real DeepSpeed ZeRO-2 engine (gloo on CPU) with a large
 token budget (one micro-batch per optimiser step), a tiny one (many micro-batches accumulated), and two
-learner processes under the `deepspeed` launcher. Gradient norms are compared step by step (a wrong
+learner processes under the `deepspeed` launcher. The one-process scenarios of every test run in one worker
+process (the `single_rank` fixture): a process per scenario cost most of this module's time. Gradient norms are compared step by step (a wrong
 normaliser changes them even where Adam's update would hide it) and the parameters after the steps.
 """
+import json
 import math
 import os
 import subprocess
@@ -21,17 +23,43 @@ WORKER = ROOT / "tests" / "learner_update_worker.py"
 BIN = Path(sys.executable).parent
 
 
-def run_worker(out_dir, *overrides, ranks=1, extra=()):
-    sets = [arg for o in overrides for arg in ("--set", o)] + list(extra)
+def run_worker(tmp_path, scenarios: dict[str, dict], ranks=1) -> dict[str, list[dict]]:
+    """Runs the named scenarios (tests/learner_update_worker.py) in one worker; their results per rank."""
+    spec = [{"out": str(tmp_path / name), **scenario} for name, scenario in scenarios.items()]
+    (tmp_path / "scenarios.json").write_text(json.dumps(spec))
     if ranks == 1:
-        command = [sys.executable, str(WORKER), str(out_dir), *sets]
+        command = [sys.executable, str(WORKER), str(tmp_path / "scenarios.json")]
     else:
         command = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
-                   str(WORKER), str(out_dir), *sets]
+                   str(WORKER), str(tmp_path / "scenarios.json")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(ranks)]
+    return {name: [torch.load(tmp_path / name / f"rank{r}.pt") for r in range(ranks)] for name in scenarios}
+
+
+# Truncated IS against the engine's log-probs: all 0 in the synthetic rollouts, so a ratio is pi_old itself,
+# 0.001 to 0.004 for the tiny random model; the cap truncates some of them. APMPO with token-level weights through
+# DeepSpeed; the other losses and the sequence level are split-invariant in tests/test_loss.py and
+# tests/test_correction.py.
+SPLIT = ["loss.name=apmpo", "loss.kl_beta=0.05", "loss.stats_scope=group", "correction.mode=tis",
+         "correction.level=token", "correction.tis_cap=0.002"]
+# One optimiser step per rollout batch, one epoch: the old log-probs are the update forward's own, detached.
+ON_POLICY = ["train.mini_batch_size=8", "loss.kl_beta=0.05", "correction.mode=tis", "correction.level=token",
+             "train.micro_batch_tokens=60"]
+SCENARIOS = {
+    "whole": {"set": SPLIT + ["train.micro_batch_tokens=100000"]},
+    "split": {"set": SPLIT + ["train.micro_batch_tokens=40"]},
+    "reused": {"set": ON_POLICY},
+    "recomputed": {"set": ON_POLICY, "recompute_old": True},
+    "faulty": {"set": ["train.micro_batch_tokens=100000"], "nan_advantage": True},
+    "empty": {"no_rollouts": True},
+}
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory) -> dict[str, dict]:
+    return {name: ranks[0] for name, ranks in run_worker(tmp_path_factory.mktemp("update"), SCENARIOS).items()}
 
 
 def assert_same_step(a, b):
@@ -41,21 +69,13 @@ def assert_same_step(a, b):
 
 
 @pytest.mark.slow
-# APMPO with token-level weights through DeepSpeed; the other losses and the sequence level are split-invariant in
-# tests/test_loss.py and tests/test_correction.py (the CI budget keeps one of these 3-minute runs).
-@pytest.mark.parametrize("loss,level", [("apmpo", "token")])
-def test_update_is_independent_of_micro_batches_accumulation_and_ranks(tmp_path, loss, level):
-    # Truncated IS against the engine's log-probs: all 0 in the synthetic rollouts, so a ratio is pi_old itself,
-    # 0.001 to 0.004 for the tiny random model; the cap truncates some of them.
-    common = (f"loss.name={loss}", "loss.kl_beta=0.05", "loss.stats_scope=group", "correction.mode=tis",
-              f"correction.level={level}", "correction.tis_cap=0.002")
-    whole, = run_worker(tmp_path / "whole", *common, "train.micro_batch_tokens=100000")
-    split, = run_worker(tmp_path / "split", *common, "train.micro_batch_tokens=40")
+def test_update_is_independent_of_micro_batches_accumulation_and_ranks(tmp_path, single_rank):
+    whole, split = single_rank["whole"], single_rank["split"]
     assert max(split["micro_batches"]) > 3 and max(whole["micro_batches"]) == 1
     assert_same_step(whole, split)
     assert len(whole["grad_norms"]) == 2 and all(n > 0 for n in whole["grad_norms"])
 
-    rank0, rank1 = run_worker(tmp_path / "ranks", *common, "train.micro_batch_tokens=60", ranks=2)
+    rank0, rank1 = run_worker(tmp_path, {"ranks": {"set": SPLIT + ["train.micro_batch_tokens=60"]}}, ranks=2)["ranks"]
     assert_same_step(rank0, rank1)  # ZeRO-2 keeps the replicas identical
     assert_same_step(whole, rank0)  # and two ranks take the same step as one
     assert not set(rank0["trained"]) & set(rank1["trained"])  # the rollouts were sharded
@@ -76,31 +96,27 @@ def assert_identical(a, b):
 
 
 @pytest.mark.slow
-def test_on_policy_step_reuses_the_update_forward_bit_for_bit(tmp_path):
-    # One optimiser step per rollout batch, one epoch: the old log-probs are the update forward's own, detached.
+def test_on_policy_step_reuses_the_update_forward_bit_for_bit(single_rank):
     # Values, gradients (norms and the parameters after the step) and metrics equal a separate no-grad forward's.
-    common = ("train.mini_batch_size=8", "loss.kl_beta=0.05", "correction.mode=tis", "correction.level=token",
-              "train.micro_batch_tokens=60")
-    reused, = run_worker(tmp_path / "reused", *common)
-    recomputed, = run_worker(tmp_path / "recomputed", *common, extra=("--recompute-old",))
+    reused, recomputed = single_rank["reused"], single_rank["recomputed"]
     assert len(reused["grad_norms"]) == 1 and max(reused["micro_batches"]) > 3
     assert_identical(reused, recomputed)
     assert reused["metrics"]["policy/entropy"] > 0
 
 
 @pytest.mark.slow
-def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
+def test_a_non_finite_step_is_skipped_and_counted(single_rank):
     # Rollout 0's advantage is NaN: its optimiser step's gradient norm is not finite, so that step is skipped
     # (no NaN reaches the weights) and counted; the other step of the batch is taken as usual.
-    faulty, = run_worker(tmp_path / "faulty", "train.micro_batch_tokens=100000", extra=("--nan-advantage",))
+    faulty = single_rank["faulty"]
     assert faulty["metrics"]["train/skipped_steps"] == 1
     assert sum(math.isfinite(n) for n in faulty["grad_norms"]) == 1
     assert all(torch.isfinite(p).all() for p in faulty["params"].values())
 
 
 @pytest.mark.slow
-def test_a_batch_with_nothing_to_train_takes_no_step(tmp_path):
+def test_a_batch_with_nothing_to_train_takes_no_step(single_rank):
     # Every completion masked (all truncated under rollout.mask_truncated): the step logs its timings and moves on.
-    empty, = run_worker(tmp_path / "empty", extra=("--no-rollouts",))
+    empty = single_rank["empty"]
     assert empty["grad_norms"] == [] and empty["trained"] == [] and empty["metrics"]["train/skipped_steps"] == 0
     assert {"time/logprob", "time/update"} <= set(empty["metrics"])
