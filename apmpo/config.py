@@ -199,6 +199,11 @@ class Config:
         return self.rollout.prompts_per_step // self.train.mini_batch_size
 
     @property
+    def overlap(self) -> bool:
+        """Generation overlaps the learner's update (train.max_staleness >= 1): the asynchronous loop."""
+        return self.train.max_staleness > 0
+
+    @property
     def total_optimizer_steps(self) -> int:
         return self.train.steps * self.mini_batches_per_rollout * self.train.epochs
 
@@ -250,7 +255,7 @@ class Config:
         out = dataclasses.asdict(self)
         out["derived"] = {"run_dir": str(self.run_dir), "samples_per_step": self.samples_per_step,
                           "mini_batches_per_rollout": self.mini_batches_per_rollout,
-                          "total_optimizer_steps": self.total_optimizer_steps}
+                          "total_optimizer_steps": self.total_optimizer_steps, "overlap": self.overlap}
         return out
 
 

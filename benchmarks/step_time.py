@@ -49,7 +49,7 @@ LR, BETA, PROMPTS, GROUP = 1e-7, 0.001, 16, 8
 def learner_threads(max_staleness: int = 0) -> int:
     from apmpo.learner.engine import cpu_threads
 
-    return cpu_threads(os.cpu_count() or 1, world_size=1, generates_meanwhile=max_staleness > 0)
+    return cpu_threads(os.cpu_count() or 1, world_size=1, overlap=max_staleness > 0)
 
 
 # --- models ----------------------------------------------------------------------------------------------------

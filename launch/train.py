@@ -25,7 +25,6 @@ if __name__ == "__main__":
 
 import argparse
 import contextlib
-import functools
 import os
 import sys
 import time
@@ -34,81 +33,39 @@ import torch
 import torch.distributed as torch_dist
 from transformers import AutoTokenizer
 
-from apmpo.config import Config, ConfigError, load_config, save_config
-from apmpo.data import stop_token_ids
-from apmpo.eval.validate import Validation
+from apmpo.config import Config, ConfigError, load_config
 from apmpo.learner.batching import Rollout, collate, plan_step
-from apmpo.learner.checkpoint import resume as resume_checkpoint, save_best, save_checkpoint
-from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
+from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
+from apmpo.learner.driver import Driver
 from apmpo.learner.engine import Dist, build_engine, check_devices, close_distributed, init_distributed, load_model
 from apmpo.learner.logprobs import shares_prompts
-from apmpo.learner.metrics import MetricsLogger
-from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
+from apmpo.learner.prepare import load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
-from apmpo.loss import AdaptiveParams, adaptive_params, policy_loss
-from apmpo.rewards import RewardPool, get_reward
-from apmpo.rollout.launcher import serve
+from apmpo.loss import AdaptiveParams, policy_loss
 
 
 def main(cfg: Config, resume: str) -> None:
-    is_main = int(os.environ.get("RANK", "0")) == 0  # the launcher's; the process group comes after the server
-    run_dir = cfg.run_dir
+    is_main = int(os.environ.get("RANK", "0")) == 0  # the launcher's; the process group comes after the servers
     model_path = prepare_model(cfg, is_main)
     with contextlib.ExitStack() as stack:
-        # -------------------------------------------------------------- generation server (rank 0), started first
-        if is_main:
-            save_config(cfg, run_dir / "config.yaml")
-            r = cfg.rollout
-            # Its engine loads while the learner imports DeepSpeed and loads (wait_ready below), unless it shares
-            # rank 0's GPU: vLLM sizes its KV cache from the free memory it measures while it loads. One server
-            # (a GenerationClient), or several (a ServerPool: prompts spread over them, weights to all).
-            server = stack.enter_context(serve(
-                model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
-                log_path=run_dir / "server.log", devices=r.devices,
-                num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
-                tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
-                extra_args=("--enforce-eager",) if r.enforce_eager else (),
-                dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=check_devices(cfg),
-                learner_idle=cfg.train.max_staleness == 0))
-        dist = init_distributed(cfg.train.dist_timeout_s, generates_meanwhile=cfg.train.max_staleness > 0)
+        # -------------------------------------------------------------- rank 0's half: the servers start first
+        # (apmpo/learner/driver.py: servers, client, sampler, rewards, stream, validation, push, log)
+        driver = stack.enter_context(Driver(cfg, model_path)) if is_main else None
+        dist = init_distributed(cfg.train.dist_timeout_s, overlap=cfg.overlap)
         torch_dist.barrier()  # rank 0 has written the model (model.path quickstart)
         torch.manual_seed(cfg.train.seed + dist.rank)
 
-        # -------------------------------------------------------------- model, data, engine
+        # -------------------------------------------------------------- model, engine, resume
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
         reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
         vision = load_vision(model_path, tokenizer)  # None for text models
-        samples, prompt_ids = load_prompts(cfg, tokenizer, vision) if dist.is_main else ([], [])
-        stop_ids = stop_token_ids(model_path, tokenizer)  # as in evaluation
-        # Held-out benchmarks through the same server, as `python -m apmpo.eval` scores them (bad prompts fail here).
-        validation = Validation(cfg, tokenizer, model_path) if dist.is_main and cfg.eval.every else None
-
-        # -------------------------------------------------------------- resume
-        trainer_state = resume_checkpoint(engine, run_dir, resume, dist.rank)  # rank 0 picks it, every rank loads it
+        trainer_state = resume_checkpoint(engine, cfg.run_dir, resume, dist.rank)  # rank 0 picks it, all load it
         start_step = trainer_state.get("step", 0)
-
-        # -------------------------------------------------------------- rewards, the server's client (rank 0)
-        client = logger = score = None
         if dist.is_main:
-            sampler = PromptSampler(len(samples), cfg.data.seed, **trainer_state.get("sampler", {}))
-            # Rewards run in worker processes with a per-item time limit: a crash or a hang scores 0, is counted.
-            pool = stack.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s))
-            score = functools.partial(pool.score, get_reward(cfg.data.reward))
-            print(f"[apmpo] run {run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
+            print(f"[apmpo] run {cfg.run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
-            server.wait_ready()
-            client = stack.enter_context(server.client(transport=None if r.weight_sync == "auto" else r.weight_sync,
-                                                       bucket_bytes=r.bucket_mb << 20))
-            policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
-            if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
-                policy_version = client.push_weights(engine.module.named_parameters())
-            logger = stack.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
-            # Batches are generated up to train.max_staleness steps ahead, while the learner updates (0: in step).
-            stream = RolloutStream(lambda step: collect_rollouts(
-                client, sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss, run_seed=cfg.train.seed, step=step,
-                stop_token_ids=stop_ids, vision=vision), cfg.train.max_staleness, cfg.train.steps)
-            stack.callback(stream.close)
+            driver.connect(engine, tokenizer, vision, trainer_state)  # servers ready; the stream starts generating
 
         # One full collection now, of all the start-up left, and then the heap it leaves is frozen: the steps'
         # collections never scan it (the first one after start-up took 0.33 s of a 0.25 s step). Unfrozen at the
@@ -119,17 +76,13 @@ def main(cfg: Config, resume: str) -> None:
         gc.enable()
         skipped_in_a_row = 0
         for step in range(start_step + 1, cfg.train.steps + 1):
-            step_start, times = time.perf_counter(), {}
+            step_start = time.perf_counter()
             step_seed = cfg.train.seed * 100_003 + step  # the mini-batch order, resumable
 
             # ---------------------------------------------------------- 1-4. prompts, generate, score, statistics
-            if dist.is_main:
-                tick = time.perf_counter()
-                batch = stream.get(step, policy_version)
-                params = adaptive_params(batch.rewards, cfg.loss)
-                times |= {**batch.times, "wait_rollouts": time.perf_counter() - tick}
+            batch = driver.next_batch(step) if dist.is_main else None
             # ---------------------------------------------------------- 5. every rank gets the batch
-            payload = [(batch.rollouts, params) if dist.is_main else None]
+            payload = [(batch.rollouts, batch.params) if dist.is_main else None]
             torch_dist.broadcast_object_list(payload, src=0)
             rollouts, params = payload[0]
 
@@ -142,40 +95,28 @@ def main(cfg: Config, resume: str) -> None:
                     f"loss/total={metrics.get('loss/total')}); stopping rather than training on nothing. Check the "
                     "rewards (reward/failures), the learning rate and the model's dtype.")
 
-            # ---------------------------------------------------------- 8. weight sync
-            tick = time.perf_counter()
+            # ---------------------------------------------------------- 8-9. weight sync, validate, log (rank 0)
             if dist.is_main:
-                policy_version = client.push_weights(engine.module.named_parameters())
-                times["weight_sync_engine_load"] = client.last_push["reload_s"] - client.last_push["wait_s"]
-            times["weight_sync"] = time.perf_counter() - tick
-
-            # ---------------------------------------------------------- 9. validate, log and checkpoint
-            if dist.is_main:
-                times["step"] = time.perf_counter() - step_start  # validation excluded: it is not every step
-                if validation and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-                    with stream.paused():  # the server holds this step's weights
-                        metrics |= validation.run(client, pool.score, step)
-                    if cfg.checkpoint.keep_best:
-                        save_best(engine.module, vision or tokenizer, run_dir, step, cfg.checkpoint.keep_best,
-                                  metrics[cfg.checkpoint.keep_best])
-                staleness = {"rollout/staleness": policy_version - 1 - batch.weight_version,
-                             "rollout/discarded_stale": stream.discarded}
-                logger.log(step, {**batch.metrics, **metrics, **staleness, "optim/lr": engine.get_lr()[0],
-                                  **{f"time/{k}": v for k, v in times.items()}})
+                metrics |= batch.metrics | batch.times | driver.push(engine.module)
+                metrics["time/step"] = time.perf_counter() - step_start  # validation excluded: not every step
+                driver.log(step, metrics, engine)
+            # ---------------------------------------------------------- 9. checkpoint (every rank)
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps):
-                state = {"sampler": stream.sampler_state(step + 1, sampler)} if dist.is_main else {}
-                save_checkpoint(engine, run_dir, step, state, vision or tokenizer, dist.rank, cfg.checkpoint.keep_last,
-                                cfg.checkpoint.export_hf)
+                state = driver.resume_state(step + 1) if dist.is_main else {}
+                save_checkpoint(engine, cfg.run_dir, step, state, vision or tokenizer, dist.rank,
+                                cfg.checkpoint.keep_last, cfg.checkpoint.export_hf)
     close_distributed()
     if dist.is_main:
-        print(f"[apmpo] done: {run_dir}", flush=True)
+        print(f"[apmpo] done: {cfg.run_dir}", flush=True)
 
 
 def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveParams, cfg: Config, dist: Dist,
                    pad_id: int, seed: int, recompute_old: bool = False) -> dict[str, float]:
     """Steps 6-7 on every rank: old and reference log-probs, then `epochs` passes over the mini-batches, one
     DeepSpeed optimiser step each. Returns the step's metrics, reduced over ranks, with their timings."""
-    packed = shares_prompts(engine.module) and not any(r.mm for r in rollouts)  # as token_logprobs will do
+    # Completions of one prompt packed into shared rows (apmpo/learner/logprobs.py): decided here, once, for the plan
+    # of micro-batches and for every forward of the step.
+    packed = shares_prompts(engine.module) and not any(r.mm for r in rollouts)
     plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed,
                      packed)
     micro = [[collate(rollouts, indices, pad_id) for indices in step.micro[dist.rank]] for step in plan]
@@ -191,10 +132,10 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
     with torch.no_grad():
         for mb in (mb for mini in micro for mb in mini):
             if not on_policy:
-                mb.old_logp, entropy = logprobs(engine.module, mb, cfg, device, with_entropy=True)
+                mb.old_logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=True)
                 totals.add_entropy(entropy, mb, device)
             if reference is not None:
-                mb.ref_logp, _ = logprobs(reference, mb, cfg, device)
+                mb.ref_logp, _ = logprobs(reference, mb, cfg, device, packed)
     times["time/logprob"] = time.perf_counter() - tick
 
     # -------------------------------------------------------------- 7. update: epochs x mini-batches
@@ -204,7 +145,7 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
         for step, mini in zip(plan, micro):
             for k, mb in enumerate(mini):
                 engine.set_gradient_accumulation_boundary(k == len(mini) - 1)
-                logp, entropy = logprobs(engine.module, mb, cfg, device, with_entropy=on_policy)
+                logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=on_policy)
                 if on_policy:
                     mb.old_logp = logp.detach()
                     totals.add_entropy(entropy, mb, device)

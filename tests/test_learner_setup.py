@@ -48,23 +48,23 @@ def gpu_config(devices, weight_sync="auto"):
     return load_config(None, [f"rollout.devices={devices!r}", f"rollout.weight_sync={weight_sync}"])
 
 
-@pytest.mark.parametrize("cores, ranks, meanwhile, threads", [
+@pytest.mark.parametrize("cores, ranks, overlap, threads", [
     (2, 1, False, 2), (2, 1, True, 1), (16, 2, False, 8), (16, 2, True, 5), (2, 2, False, 1), (2, 4, True, 1)])
-def test_cpu_ranks_take_every_core_unless_the_server_generates_meanwhile(cores, ranks, meanwhile, threads):
-    assert cpu_threads(cores, ranks, generates_meanwhile=meanwhile) == threads
+def test_cpu_ranks_take_every_core_unless_the_server_generates_meanwhile(cores, ranks, overlap, threads):
+    assert cpu_threads(cores, ranks, overlap=overlap) == threads
 
 
-@pytest.mark.parametrize("cores, servers, meanwhile, hidden, threads", [
+@pytest.mark.parametrize("cores, servers, overlap, hidden, threads", [
     (2, 1, False, 128, 1), (2, 1, False, 512, 2), (2, 1, True, 512, 1), (16, 2, False, 512, 8), (16, 2, False, 128, 7),
     (16, 2, True, 1024, 7), (1, 1, False, 128, 1)])
 def test_cpu_servers_take_every_core_for_a_compute_bound_model_in_the_synchronous_loop(
-        tmp_path, cores, servers, meanwhile, hidden, threads):
+        tmp_path, cores, servers, overlap, hidden, threads):
     from transformers import Qwen2Config
 
     from apmpo.rollout.launcher import cpu_server_threads
 
     Qwen2Config(hidden_size=hidden, num_attention_heads=hidden // 64, num_key_value_heads=1).save_pretrained(tmp_path)
-    assert cpu_server_threads(str(tmp_path), servers, learner_computes_meanwhile=meanwhile, cores=cores) == threads
+    assert cpu_server_threads(str(tmp_path), servers, overlap=overlap, cores=cores) == threads
 
 
 def test_gpu_devices_without_cuda_are_refused():

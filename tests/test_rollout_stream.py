@@ -18,7 +18,7 @@ class Server:
 
     def collect(self, step):
         self.calls.append((step, self.version, threading.current_thread().name))
-        return StepRollouts([], torch.zeros(1, 2), {}, {}, weight_version=self.version,
+        return StepRollouts([], torch.zeros(1, 2), None, {}, {}, weight_version=self.version,
                             sampler_before={"position": 10 * step})
 
 

@@ -227,7 +227,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
     start_kwargs = ({"ready_timeout_s": args.server_timeout} if args.server else
                     {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,
                      "max_model_len": args.max_model_len, "dtype": args.dtype, "num_servers": args.num_servers,
-                     "learner_idle": True, "extra_args": ("--enforce-eager",) if args.enforce_eager else ()})
+                     "overlap": False, "extra_args": ("--enforce-eager",) if args.enforce_eager else ()})
     log(f"connecting to {', '.join(args.server)}" if args.server else
         f"starting generation server(s) on {model} (log: {args.out / 'server.log'}, or server.<k>.log for several)")
     tick = time.monotonic()

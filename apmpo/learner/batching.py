@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from apmpo.learner.logprobs import pack
+from apmpo.loss import AdaptiveParams
 
 # What one more micro-batch costs, in padded tokens: in the quickstart model's log-probs and update (reference
 # forward, forward, backward), 128 rows of 54 tokens took 0.147 s in one micro-batch, 0.177 s in four and 0.264 s
@@ -53,11 +54,17 @@ class StepRollouts:
     """Rank 0's rollout batch of one training step (apmpo.learner.collect.collect_rollouts)."""
 
     rollouts: list[Rollout]  # what the learner trains on, advantages filled in
-    rewards: Tensor  # [groups, G] rewards of the trained groups: input of adaptive_params
+    rewards: Tensor  # [groups, G] rewards of the trained groups
+    params: AdaptiveParams  # APMPO's p, FSS and eps_ada, from `rewards` as the advantages are
     metrics: dict[str, float]
     times: dict[str, float]  # seconds: "generate", "reward"
     weight_version: int  # the oldest server weights that generated any of it (asynchronous training's staleness)
     sampler_before: dict  # the prompt sampler's state before this batch: a resume regenerates it from there
+
+    def staleness(self, policy_version: int) -> int:
+        """How many weight pushes lie between the weights that generated this batch (its oldest request's) and
+        `policy_version`, the policy it trains."""
+        return policy_version - self.weight_version
 
 
 @dataclass

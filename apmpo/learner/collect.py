@@ -19,7 +19,7 @@ from apmpo.config import RolloutConfig
 from apmpo.data.vision import VisionInputs
 from apmpo import seeding
 from apmpo.learner.batching import Rollout, StepRollouts
-from apmpo.loss import LossConfig, advantages_for
+from apmpo.loss import LossConfig, adaptive_params, advantages_for
 
 # completions, samples, deadline= -> (rewards, summary): apmpo.rewards.RewardPool.score with the reward bound;
 # crashes and time-outs are scored 0 and counted in the summary ("errors", "timeouts", "crashes", their total
@@ -122,7 +122,9 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         rounds += 1
     kept = kept[:B] if kept else last_round  # nothing informative after the cap: train on the last round
     rewards = torch.tensor([[r.reward for r in group] for group in kept])
-    advantages = advantages_for(rewards, loss)  # the loss's rule: std-normalised or not (Dr. GRPO)
+    # The batch's statistics, together: advantages by the loss's rule (std-normalised or not, Dr. GRPO), and
+    # APMPO's p, FSS and eps_ada from the same rewards.
+    advantages, params = advantages_for(rewards, loss), adaptive_params(rewards, loss)
     rollouts = []
     for g, group in enumerate(kept):
         for j, rollout in enumerate(group):
@@ -142,7 +144,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         "rollout/trained_sequences": len(rollouts),
         "rollout/informative_groups_frac": (advantages.abs().sum(1) > 0).float().mean().item(),
     }
-    return StepRollouts(rollouts, rewards, metrics, times, weight_version, sampler_before)
+    return StepRollouts(rollouts, rewards, params, metrics, times, weight_version, sampler_before)
 
 
 class RolloutStream:
@@ -184,7 +186,7 @@ class RolloutStream:
                 self._pending[ahead] = Future()
                 self._todo.put((ahead, self._pending[ahead]))
         batch = self._pending.pop(step).result()
-        if policy_version - batch.weight_version > self.max_staleness:
+        if batch.staleness(policy_version) > self.max_staleness:
             self.discarded += 1
             with self._lock:
                 batch = self.collect(step)

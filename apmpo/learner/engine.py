@@ -29,11 +29,11 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed(timeout_s: float = 7200.0, generates_meanwhile: bool = True) -> Dist:
+def init_distributed(timeout_s: float = 7200.0, overlap: bool = True) -> Dist:
     """Starts torch.distributed through DeepSpeed (gloo on CPU, NCCL on GPU); also works without a launcher.
     `timeout_s` bounds every collective: ranks 1..N wait in the batch broadcast while rank 0 starts the server
-    and generates, so it must exceed the longest rollout (train.dist_timeout_s). `generates_meanwhile`: a
-    generation server computes while the learner does (train.max_staleness >= 1); on CPU it then keeps a core."""
+    and generates, so it must exceed the longest rollout (train.dist_timeout_s). `overlap`: a
+    generation server computes while the learner does (Config.overlap); on CPU it then keeps a core."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
@@ -49,7 +49,7 @@ def init_distributed(timeout_s: float = 7200.0, generates_meanwhile: bool = True
         # communication backend. Only its inference all-reduce uses it; ZeRO's collectives go through gloo.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
-        torch.set_num_threads(cpu_threads(os.cpu_count() or 1, int(os.environ["WORLD_SIZE"]), generates_meanwhile))
+        torch.set_num_threads(cpu_threads(os.cpu_count() or 1, int(os.environ["WORLD_SIZE"]), overlap))
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
@@ -66,13 +66,13 @@ def close_distributed() -> None:
     torch.distributed.destroy_process_group()
 
 
-def cpu_threads(cores: int, world_size: int, generates_meanwhile: bool) -> int:
+def cpu_threads(cores: int, world_size: int, overlap: bool) -> int:
     """Compute threads of each CPU learner rank. In the synchronous loop the server is idle while the learner
     computes, so the ranks share every core: on 2 cores, 2 threads against 1 took the quickstart's log-probs from
     0.21 to 0.14 s and its update from 0.67 to 0.46 s (64 tokens; the CPU engine in the server's process, its
     one OpenMP thread idle). When the server generates meanwhile, it keeps a core: oversubscribed OpenMP teams
     spin against each other (with vLLM's engine processes busy beside it, 2 threads made a step 3-4x slower)."""
-    return max(1, cores // (world_size + generates_meanwhile))
+    return max(1, cores // (world_size + overlap))
 
 
 def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int | None = None) -> bool:

@@ -42,6 +42,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     with_entropy: bool = False,
+    share_prompts: bool | None = None,
     **model_inputs,
 ) -> tuple[Tensor, Tensor | None]:
     """Log pi(input_ids[n, t] | input_ids[n, :t]) / entropy at the positions `logits_mask` selects.
@@ -49,14 +50,18 @@ def token_logprobs(
     input_ids, attention_mask: [N, L], right-padded prompt + completion rows.
     logits_mask: [N, L] bool, True where the token input_ids[n, t] is scored (completion tokens; t >= 1).
     model_inputs: passed on to the backbone (`pixel_values`, `image_grid_thw`, `position_ids`, ...).
+    share_prompts: rows that share a prompt run it once, their completions packed (values and gradients equal);
+    None: wherever the model allows it (`shares_prompts`) and there are no model_inputs. A training step decides
+    it once, for its plan and its forwards alike (launch/train.py).
     Returns logp [N, L] fp32 (0 where not scored; differentiable when grad is enabled) and, with
     `with_entropy`, the entropy [N, L] fp32 of the temperature-scaled next-token distribution at the same
     positions (0 elsewhere; detached), else None.
     """
     if logits_mask[:, 0].any():
         raise ValueError("logits_mask[:, 0] must be False: the first token has no context to be scored from")
-    shared = None if model_inputs or not shares_prompts(model) else _prompt_of_each_row(input_ids, attention_mask,
-                                                                                             logits_mask)
+    if share_prompts is None:
+        share_prompts = shares_prompts(model) and not model_inputs
+    shared = _prompt_of_each_row(input_ids, attention_mask, logits_mask) if share_prompts else None
     if shared is None:
         hidden = model.model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_inputs

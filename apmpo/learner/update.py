@@ -18,10 +18,12 @@ from apmpo.learner.logprobs import token_logprobs
 ADDITIVE = ("loss/total", "loss/policy", "loss/kl")
 
 
-def logprobs(model, mb: MicroBatch, cfg: Config, device, with_entropy: bool = False):
+def logprobs(model, mb: MicroBatch, cfg: Config, device, packed: bool, with_entropy: bool = False):
+    """`packed`: the step's decision (launch/train.py), which its plan of micro-batches was made for."""
     return token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device),
                           temperature=cfg.rollout.temperature, chunk_tokens=cfg.train.logprob_chunk_tokens,
-                          with_entropy=with_entropy, **{k: v.to(device) for k, v in mb.extras.items()})
+                          with_entropy=with_entropy, share_prompts=packed,
+                          **{k: v.to(device) for k, v in mb.extras.items()})
 
 
 class Mismatch(NamedTuple):

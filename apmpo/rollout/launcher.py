@@ -145,20 +145,20 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
                   port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
                   tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
                   seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                  ready_timeout_s: float = 900.0, wait: bool = True, learner_idle: bool = False
+                  ready_timeout_s: float = 900.0, wait: bool = True, overlap: bool = False
                   ) -> list[ServerProcess]:
     """Starts one server per entry of `devices` (its CUDA_VISIBLE_DEVICES, or None), all at once, and returns once
     every one is ready; if any fails, stops them all and raises ServerStartError naming it. `wait=False` returns
-    at once: the caller does other work while the engines load, then calls `wait_ready`. `learner_idle`: nothing
-    computes while these servers generate (the synchronous loop, evaluation); on CPU their OpenMP threads follow
-    cpu_server_threads, unless the environment sets OMP_NUM_THREADS."""
+    at once: the caller does other work while the engines load, then calls `wait_ready`. `overlap`: a learner
+    computes while these servers generate (Config.overlap; False in the synchronous loop and evaluation); on CPU
+    their OpenMP threads follow cpu_server_threads, unless the environment sets OMP_NUM_THREADS."""
     if token is not None and not token.strip():
         raise ValueError("token is empty: pass None (a loopback server needs none) or a secret")
     if port is not None and len(devices) > 1:
         raise ValueError("several servers take free ports: pass port=None")
     if token is None and not is_loopback(host):
         token = secrets.token_urlsafe(24)
-    cpu_threads = None if torch.cuda.is_available() else cpu_server_threads(model, len(devices), not learner_idle)
+    cpu_threads = None if torch.cuda.is_available() else cpu_server_threads(model, len(devices), overlap)
     servers: list[ServerProcess] = []
     try:
         for log_path, group in zip(log_paths, devices, strict=True):
@@ -236,16 +236,15 @@ def _wait_until_ready(servers: list[ServerProcess], timeout_s: float) -> None:
 COMPUTE_BOUND_HIDDEN_SIZE = 512
 
 
-def cpu_server_threads(model: str, num_servers: int, learner_computes_meanwhile: bool,
-                       cores: int | None = None) -> int:
+def cpu_server_threads(model: str, num_servers: int, overlap: bool, cores: int | None = None) -> int:
     """OpenMP threads for each of `num_servers` CPU servers of `model`: every core but one, which the engine's
-    scheduling needs; every core for a model whose matmuls dominate when the learner is idle meanwhile (the
-    synchronous loop). The servers split them."""
+    scheduling needs; every core for a model whose matmuls dominate when the learner is idle meanwhile (no
+    `overlap`: the synchronous loop). The servers split them."""
     from transformers import AutoConfig
 
     cores = cores or os.cpu_count() or 1
     # The config is read only when it matters: a server on a bad path then fails with its own error.
-    whole = (not learner_computes_meanwhile
+    whole = (not overlap
              and AutoConfig.from_pretrained(model).get_text_config().hidden_size >= COMPUTE_BOUND_HIDDEN_SIZE)
     return max(1, (cores if whole else cores - 1) // num_servers)
 

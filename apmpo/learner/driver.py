@@ -1,0 +1,121 @@
+"""Rank 0's half of a training step, as one object: `Driver`.
+
+It owns the generation servers and their client, the prompt sampler, the reward pool, the rollout stream (batches
+generated up to train.max_staleness steps ahead), validation, the weight push and the metrics log. The other
+learner ranks hold none of it; launch/train.py keeps the loop visible and calls into it:
+
+    driver = stack.enter_context(Driver(cfg, model_path))   # starts the servers; their engines load meanwhile
+    ...                                                      # the learner builds its model and engine
+    driver.connect(engine, tokenizer, vision, trainer_state) # servers ready, the stream starts generating
+    batch = driver.next_batch(step)                          # rollouts, advantages, APMPO's p / FSS / eps_ada
+    push_times = driver.push(engine.module)                  # the new weights into every server
+    driver.log(step, metrics, engine, ...)                   # validation every eval.every steps, then one log line
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+from apmpo.config import Config, save_config
+from apmpo.data import stop_token_ids
+from apmpo.eval.validate import Validation
+from apmpo.learner.batching import Rollout
+from apmpo.learner.checkpoint import save_best
+from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
+from apmpo.learner.engine import check_devices
+from apmpo.learner.metrics import MetricsLogger
+from apmpo.learner.prepare import load_prompts
+from apmpo.loss import AdaptiveParams
+from apmpo.rewards import RewardPool, get_reward
+from apmpo.rollout.launcher import serve
+
+
+@dataclass
+class Batch:
+    """What rank 0 hands every rank for one step, and what it keeps for the step's log."""
+
+    rollouts: list[Rollout]  # advantages filled in
+    params: AdaptiveParams  # APMPO's p, FSS, eps_ada of the batch's rewards
+    metrics: dict[str, float]  # reward/, response/, rollout/ (staleness included)
+    times: dict[str, float]  # seconds: time/generate, time/reward, time/wait_rollouts
+
+
+class Driver(contextlib.ExitStack):
+    """Rank 0's servers, sampler, rewards, stream, validation, push and log (the module's docstring)."""
+
+    def __init__(self, cfg: Config, model_path: str):
+        super().__init__()
+        self.cfg, self.model_path = cfg, model_path
+        save_config(cfg, cfg.run_dir / "config.yaml")
+        r = cfg.rollout
+        # The engines load while the learner imports DeepSpeed and builds (connect() waits for them), unless a
+        # server shares rank 0's GPU: vLLM sizes its KV cache from the free memory it measures while it loads.
+        self.servers = self.enter_context(serve(
+            model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
+            log_path=cfg.run_dir / "server.log", devices=r.devices, num_servers=r.num_servers,
+            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+            max_model_len=r.max_model_len, extra_args=("--enforce-eager",) if r.enforce_eager else (),
+            dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed,
+            wait=check_devices(cfg), overlap=cfg.overlap))
+        self.policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
+
+    def connect(self, engine, tokenizer, vision, trainer_state: dict) -> None:
+        """Once the learner is built (and resumed): the data, the reward pool, the client (pushing the learner's
+        weights where the servers may hold others), validation, the log and the stream."""
+        cfg, start_step = self.cfg, trainer_state.get("step", 0)
+        samples, prompt_ids = load_prompts(cfg, tokenizer, vision)
+        self.vision, self.tokenizer = vision, tokenizer
+        self.sampler = PromptSampler(len(samples), cfg.data.seed, **trainer_state.get("sampler", {}))
+        # Rewards run in worker processes with a per-item time limit: a crash or a hang scores 0, is counted.
+        self.pool = self.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s))
+        score = functools.partial(self.pool.score, get_reward(cfg.data.reward))
+        # Held-out benchmarks through the same servers, as `python -m apmpo.eval` scores them.
+        self.validation = Validation(cfg, tokenizer, self.model_path) if cfg.eval.every else None
+        self.servers.wait_ready()
+        r = cfg.rollout
+        self.client = self.enter_context(self.servers.client(
+            transport=None if r.weight_sync == "auto" else r.weight_sync, bucket_bytes=r.bucket_mb << 20))
+        if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
+            self.push(engine.module)
+        self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
+        stop_ids = stop_token_ids(self.model_path, tokenizer)  # as in evaluation
+        self.stream = RolloutStream(lambda step: collect_rollouts(
+            self.client, self.sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss, run_seed=cfg.train.seed,
+            step=step, stop_token_ids=stop_ids, vision=vision), cfg.train.max_staleness, cfg.train.steps)
+        self.callback(self.stream.close)
+
+    def next_batch(self, step: int) -> Batch:
+        """The step's rollouts with their advantages and adaptive parameters, at most train.max_staleness pushes
+        older than the policy being trained."""
+        tick = time.perf_counter()
+        batch = self.stream.get(step, self.policy_version)
+        times = {f"time/{k}": v for k, v in batch.times.items()} | {"time/wait_rollouts": time.perf_counter() - tick}
+        staleness = {"rollout/staleness": batch.staleness(self.policy_version),
+                     "rollout/discarded_stale": self.stream.discarded}
+        return Batch(batch.rollouts, batch.params, batch.metrics | staleness, times)
+
+    def push(self, model) -> dict[str, float]:
+        """The learner's weights into every server; the seconds, and the part the engines spent loading."""
+        self.policy_version = self.client.push_weights(model.named_parameters())
+        push = self.client.last_push
+        return {"time/weight_sync": push["seconds"], "time/weight_sync_engine_load": push["reload_s"] - push["wait_s"]}
+
+    def log(self, step: int, metrics: dict[str, float], engine) -> None:
+        """Validation every eval.every steps and after the last (keeping the best policy when asked), then the
+        step's one log line."""
+        cfg = self.cfg
+        if self.validation and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+            with self.stream.paused():  # the servers hold this step's weights
+                metrics |= self.validation.run(self.client, self.pool.score, step)
+            if cfg.checkpoint.keep_best:
+                save_best(engine.module, self.vision or self.tokenizer, cfg.run_dir, step, cfg.checkpoint.keep_best,
+                          metrics[cfg.checkpoint.keep_best])
+        self.logger.log(step, {**metrics, "optim/lr": engine.get_lr()[0]})
+
+    def resume_state(self, next_step: int) -> dict:
+        """What a checkpoint needs of rank 0 to resume at `next_step`: where the prompt sampler starts."""
+        return {"sampler": self.stream.sampler_state(next_step, self.sampler)}
+
