@@ -253,8 +253,9 @@ def dying_reward(completion: str, sample: dict) -> float:
 
 def odd_value_reward(completion: str, sample: dict):
     """Returns what the completion names: a NaN about 1 time in 20 is what made training silently stop."""
+    # 1e300 and -1e39 are finite Python floats, and inf as the float32 that rewards are stored in; 3e38 is not.
     return {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "text": "1.0", "none": None,
-            "int": 1, "bool": True}.get(completion, 0.5)
+            "int": 1, "bool": True, "1e300": 1e300, "-1e39": -1e39, "3e38": 3e38}.get(completion, 0.5)
 
 
 def test_registry():
@@ -319,11 +320,11 @@ def test_batch_a_large_item_never_waits_in_the_pipe_of_a_hung_worker():
 
 
 def test_batch_non_finite_and_non_numeric_rewards_are_failures(caplog):
-    completions = ["ok", "nan", "ok", "inf", "-inf", "text", "none", "int", "bool", "ok"]
-    scores, summary = score_batch(odd_value_reward, completions, [{}] * 10, timeout_s=10, num_workers=1)
-    assert scores == [0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5]
-    assert summary["errors"] == summary["failures"] == 5
-    assert summary["first_error"] == "ValueError: the reward returned nan, not a finite number"
+    completions = ["ok", "nan", "ok", "inf", "-inf", "text", "none", "int", "bool", "ok", "1e300", "-1e39", "3e38"]
+    scores, summary = score_batch(odd_value_reward, completions, [{}] * 13, timeout_s=10, num_workers=1)
+    assert scores == [0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0, 0.0, 3e38]
+    assert summary["errors"] == summary["failures"] == 7
+    assert summary["first_error"] == "ValueError: the reward returned nan, not a finite float32 number"
     assert len([r for r in caplog.records if "reward scoring failed" in r.getMessage()]) == 1
 
 

@@ -26,6 +26,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import struct
 import sys
 import time
 import types
@@ -68,12 +69,17 @@ def _worker_main(conn: Connection) -> None:
 
 def _as_score(value) -> float:
     """A reward's value as a score. NaN or inf would make the batch's mean, the advantages and the loss NaN
-    (training then silently stops learning), and a string or None is a bug of the reward: all are failures."""
+    (training then silently stops learning), and a string or None is a bug of the reward: all are failures. The
+    check is of the value as stored, float32: 1e300 is finite as a Python float and inf as a float32."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"the reward returned {type(value).__name__} {value!r:.50}, not a number")
     score = float(value)
-    if not math.isfinite(score):
-        raise ValueError(f"the reward returned {score}, not a finite number")
+    try:
+        stored = struct.unpack("f", struct.pack("f", score))[0]  # packing raises OverflowError past float32's range
+    except OverflowError:
+        stored = math.inf
+    if not math.isfinite(stored):
+        raise ValueError(f"the reward returned {score}, not a finite float32 number")
     return score
 
 
