@@ -153,6 +153,7 @@ class RolloutConfig:
     overlong_penalty: float = ranged(1.0, "[0, 1000]")  # the penalty at max_tokens, linear over the buffer
     mask_truncated: bool = False  # DAPO: truncated completions get no loss
     reward_workers: int = ranged(2, "[1, 1024]")
+    reward_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per worker (RLIMIT_AS); None: apmpo.rewards.batch's
     reward_timeout_s: float = ranged(10.0, "(0, 86400]")
     # A step's total scoring time: items unscored by then score 0, as timeouts. None: STEP_TIMEOUT_ITEMS item
     # time-outs (hung items time out side by side, apmpo.rewards.batch, so a hang costs about one per step)

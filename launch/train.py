@@ -93,7 +93,8 @@ def main(cfg: Config, resume: str) -> None:
         if dist.is_main:
             sampler = PromptSampler(len(samples), cfg.data.seed, **trainer_state.get("sampler", {}))
             # Rewards run in worker processes with a per-item time limit: a crash or a hang scores 0, is counted.
-            pool = stack.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s))
+            pool = stack.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s,
+                                                  cfg.rollout.reward_memory_mb))
             score = functools.partial(pool.score, get_reward(cfg.data.reward))
             print(f"[apmpo] run {run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
