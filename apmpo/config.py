@@ -6,6 +6,10 @@
 - Unknown keys are rejected with the file and the nearest valid key; values are checked against each field's
   type (ints are accepted for floats, and numbers in strings for numeric fields, since YAML reads `1e-6` as a
   string). `--set` values are parsed as YAML, then checked the same way.
+- Every numeric field declares its range (`ranged(default, "[lo, hi]")`): values outside it, and floats that are
+  not finite, fail at load naming the key. Paths longer than the file system takes fail too.
+- What a run needs on this machine is checked at load (`check_sources`): the model, a local data file's records,
+  the reward, a CUDA-only weight transport, wandb; rollout.max_model_len against a local model's positions.
 - Derived values live in one place: the properties under "derived" in `Config`.
 """
 from __future__ import annotations
