@@ -6,20 +6,28 @@
 - Unknown keys are rejected with the file and the nearest valid key; values are checked against each field's
   type (ints are accepted for floats, and numbers in strings for numeric fields, since YAML reads `1e-6` as a
   string). `--set` values are parsed as YAML, then checked the same way.
+- Every numeric field declares its range (`ranged(default, "[lo, hi]")`): values outside it, and floats that are
+  not finite, fail at load naming the key. Paths longer than the file system takes fail too.
+- What a run needs on this machine is checked at load (`check_sources`): the model, a local data file's records,
+  the reward, a CUDA-only weight transport, wandb; rollout.max_model_len against a local model's positions.
 - Derived values live in one place: the properties under "derived" in `Config`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
+import json
 import math
 import re
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 
 from apmpo import seeding
@@ -31,9 +39,65 @@ class ConfigError(ValueError):
     """A configuration that cannot be used, with the file and key at fault."""
 
 
+# ---------------------------------------------------------------------------- declared ranges
+# Every numeric field declares its range in its metadata, {"range": "[lo, hi]"} (brackets closed, parentheses
+# open; bounds are numbers or powers such as 2**20): values outside, and floats that are not finite, are refused
+# at load naming the key. Fields of other modules (LossConfig) declare theirs the same way, with no import from
+# here; tests/test_config.py checks that every numeric leaf has one.
+
+
+def ranged(default: Any, interval: str) -> Any:
+    """A field with a declared range: `lr: float = ranged(1e-6, "(0, 1]")`. None (for `int | None`) is allowed."""
+    _parse_range(interval)  # a malformed range fails at import
+    return field(default=default, metadata={"range": interval})
+
+
+def _bound(text: str) -> float:
+    text = text.strip()
+    power = re.fullmatch(r"(\d+)\*\*(\d+)(?:\s*-\s*(\d+))?", text.replace(" ", ""))
+    if power:
+        return int(power[1]) ** int(power[2]) - int(power[3] or 0)
+    return float(text)
+
+
+def _parse_range(interval: str) -> tuple[bool, float, float, bool]:
+    match = re.fullmatch(r"\s*([\[(])(.+),(.+)([\])])\s*", interval)
+    if not match:
+        raise ValueError(f"range {interval!r}: expected e.g. '[0, 1)'")
+    lo, hi = _bound(match[2]), _bound(match[3])
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+        raise ValueError(f"range {interval!r}: bounds must be finite and ordered")
+    return match[1] == "[", lo, hi, match[4] == "]"
+
+
+def check_range(key: str, value: float, interval: str) -> None:
+    """Raises ConfigError unless `value` lies in `interval` (NaN and infinities never do)."""
+    closed_lo, lo, hi, closed_hi = _parse_range(interval)
+    above = value >= lo if closed_lo else value > lo
+    below = value <= hi if closed_hi else value < hi
+    if not (above and below):  # NaN fails both
+        raise ConfigError(f"{key} must lie in {interval}, got {value}")
+
+
+# Paths longer than the file system takes: refused at load rather than by an OSError after the servers started.
+NAME_MAX, PATH_MAX = 255, 4095
+
+
+def path_field(default: str | None) -> Any:
+    """A field holding a file system path (or a name that becomes part of one): checked against NAME_MAX, PATH_MAX."""
+    return field(default=default, metadata={"path": True})
+
+
+def check_path(key: str, value: str) -> None:
+    if len(value.encode()) > PATH_MAX or any(len(part.encode()) > NAME_MAX for part in value.split("/")):
+        raise ConfigError(f"{key} is longer than a path may be ({len(value)} characters; at most {PATH_MAX} bytes, "
+                          f"{NAME_MAX} per name): {value[:60]!r}...")
+
+
 @dataclass
 class ModelConfig:
-    path: str = "Qwen/Qwen2.5-Math-1.5B-Instruct"  # HF hub id or local directory; "quickstart": the CPU quickstart's
+    # HF hub id or local directory; "quickstart": the CPU quickstart's
+    path: str = path_field("Qwen/Qwen2.5-Math-1.5B-Instruct")
     dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
     gradient_checkpointing: bool = False
     # Vision-language models: freeze the vision encoder, train the merger (projector) and the language model.
@@ -44,81 +108,99 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = "math12k"  # built-in dataset name ("quickstart" too), hub id, or local jsonl/json/parquet file
+    # built-in dataset name ("quickstart" too), hub id, or local jsonl/json/parquet file
+    train: str = path_field("math12k")
     split: str = "train"  # for hub ids and dataset folders
     fields: str | None = None  # field mapping (apmpo.data.FIELD_MAPS: math, minerva, spider, bird, ...); None: detect
     reward: str = "math"  # math | sql | choice | quickstart, or "pkg.module:function" for your own
     system_prompt: str | None = None  # None: the task's default (apmpo.data.SYSTEM_PROMPTS)
-    max_prompt_tokens: int = 1024  # longer prompts are skipped, and counted
-    db_root: str | None = None  # SQL: directory holding <db_id>/<db_id>.sqlite
-    image_root: str | None = None  # images given as relative paths: resolved here (None: the data file's folder)
-    seed: int = 0  # data order; resumable
+    max_prompt_tokens: int = ranged(1024, "[1, 2**20]")  # longer prompts are skipped, and counted
+    db_root: str | None = path_field(None)  # SQL: directory holding <db_id>/<db_id>.sqlite
+    # images given as relative paths: resolved here (None: the data file's folder)
+    image_root: str | None = path_field(None)
+    seed: int = ranged(0, "[0, 2**32 - 1]")  # data order; resumable
+
+
+# rollout.reward_step_timeout_s's default, in item time-outs: hung items time out side by side (apmpo.rewards.batch),
+# so a hang costs about one; the rest is for the batch's own scoring, however many items it has.
+STEP_TIMEOUT_ITEMS = 30
 
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 512  # B
-    group_size: int = 8  # G samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 1024
+    prompts_per_step: int = ranged(512, "[1, 2**20]")  # B
+    group_size: int = ranged(8, "[2, 2**16]")  # G samples per prompt; advantages need two
+    temperature: float = ranged(1.0, "[0, 2]")  # 0 (greedy) or [0.01, 2]: check_temperature
+    top_p: float = ranged(1.0, "(0, 1]")
+    top_k: int = ranged(-1, "[-1, 2**20]")  # -1: off; not 0
+    max_tokens: int = ranged(1024, "[1, 2**20]")
     url: str | None = None  # use a running generation server instead of starting one
     urls: list[str] | None = None  # several running servers (other nodes too): the prompts are spread over them
-    num_servers: int = 1  # servers to start; each step's prompts are spread over them, weights pushed to all
+    # servers to start; each step's prompts are spread over them, weights pushed to all
+    num_servers: int = ranged(1, "[1, 1024]")
     # CUDA_VISIBLE_DEVICES of the servers it starts, one group per server separated by ";": "3" (one server on
     # GPU 3), "4;5;6;7" (four one-GPU servers), "4,5;6,7" (two servers with TP 2). None: CPU or shared GPU
     devices: str | None = None
-    gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int | None = None  # per server; None: the size of its device group (1 without devices)
-    max_model_len: int = 4096
+    gpu_memory_utilization: float = ranged(0.5, "(0, 1]")
+    # per server; None: the size of its device group (1 without devices)
+    tensor_parallel_size: int | None = ranged(None, "[1, 1024]")
+    max_model_len: int = ranged(4096, "[2, 2**24]")  # <= the model's max_position_embeddings
     # No torch.compile (nor CUDA graphs on GPU) in the servers it starts: a faster start, slower generation. On CPU
     # the compiled quickstart model generated 1.27-1.36x faster, for 6-25 s more start-up (vllm_compat).
     enforce_eager: bool = False
     weight_sync: Literal["auto", Transport] = "auto"  # auto: apmpo.rollout.weight_sync.select_transport
-    bucket_mb: int = 256  # weight-sync bucket size
+    bucket_mb: int = ranged(256, "[1, 2**16]")  # weight-sync bucket size
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups, sample more until the batch is full
-    max_sampling_rounds: int = 4  # cap on dynamic-sampling rounds per step
-    overlong_buffer: int = 0  # DAPO overlong shaping: penalise the last N tokens before max_tokens (0: off)
-    overlong_penalty: float = 1.0  # the penalty at max_tokens, linear over the buffer
+    max_sampling_rounds: int = ranged(4, "[1, 2**8]")  # cap on dynamic-sampling rounds per step
+    # DAPO overlong shaping: penalise the last N tokens before max_tokens (0: off)
+    overlong_buffer: int = ranged(0, "[0, 2**20]")
+    overlong_penalty: float = ranged(1.0, "[0, 1000]")  # the penalty at max_tokens, linear over the buffer
     mask_truncated: bool = False  # DAPO: truncated completions get no loss
-    reward_workers: int = 2
-    reward_timeout_s: float = 10.0
-    reward_step_timeout_s: float = 1800.0  # a step's total scoring time: items unscored by then score 0, as timeouts
+    reward_workers: int = ranged(2, "[1, 1024]")
+    reward_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per worker (RLIMIT_AS); None: apmpo.rewards.batch's
+    reward_timeout_s: float = ranged(10.0, "(0, 86400]")
+    # A step's total scoring time: items unscored by then score 0, as timeouts. None: STEP_TIMEOUT_ITEMS item
+    # time-outs (hung items time out side by side, apmpo.rewards.batch, so a hang costs about one per step)
+    reward_step_timeout_s: float | None = ranged(None, "(0, 604800]")
+
+    def __post_init__(self):
+        if self.reward_step_timeout_s is None and isinstance(self.reward_timeout_s, (int, float)):
+            self.reward_step_timeout_s = STEP_TIMEOUT_ITEMS * self.reward_timeout_s
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
+    lr: float = ranged(1e-6, "(0, 1]")
+    weight_decay: float = ranged(0.0, "[0, 1]")
+    adam_beta1: float = ranged(0.9, "[0, 1)")
+    adam_beta2: float = ranged(0.999, "[0, 1)")
+    adam_eps: float = ranged(1e-8, "(0, 1]")
+    warmup_steps: int = ranged(0, "[0, 2**31 - 1]")
     schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warm-up
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = ranged(1.0, "[0, 1e6]")  # gradient clipping; 0: off (DeepSpeed's gradient_clipping)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 400
-    mini_batch_size: int = 128  # prompts per optimiser step; a rollout batch gives B / mini_batch_size steps
-    epochs: int = 1  # passes over each rollout batch
-    micro_batch_tokens: int = 16384  # token budget of one forward/backward per rank
-    logprob_chunk_tokens: int = 1024  # positions per chunk of the fp32 log-softmax
+    steps: int = ranged(400, "[1, 2**31 - 1]")  # and within apmpo.seeding's layout
+    # prompts per optimiser step; a rollout batch gives B / mini_batch_size steps
+    mini_batch_size: int = ranged(128, "[1, 2**20]")
+    epochs: int = ranged(1, "[1, 1000]")  # passes over each rollout batch
+    micro_batch_tokens: int = ranged(16384, "[1, 2**31 - 1]")  # token budget of one forward/backward per rank
+    logprob_chunk_tokens: int = ranged(1024, "[1, 2**31 - 1]")  # positions per chunk of the fp32 log-softmax
     # How long learner ranks wait in a collective. Ranks 1..N wait in the batch broadcast while rank 0 starts the
     # server, generates and scores: a cold start or a long rollout must not abort the job (NCCL's and DeepSpeed's
     # default is 10-30 min).
-    dist_timeout_s: float = 7200.0
+    dist_timeout_s: float = ranged(7200.0, "(0, 2592000]")  # at most 30 days
     # A step whose gradient norm is not finite is skipped (and counted, train/skipped_steps); this many training
     # steps in a row with a skip stop the run: training must never go on silently doing nothing.
-    max_skipped_in_a_row: int = 3
+    max_skipped_in_a_row: int = ranged(3, "[1, 2**31 - 1]")
     # Asynchronous training: batches are generated up to this many steps ahead, while the learner updates
     # (apmpo.learner.collect.RolloutStream). 0: the synchronous loop. Pair it with `correction` (e.g. mode: tis),
     # which corrects the gap between the engine's (older) policy and the learner's.
-    max_staleness: int = 0
-    zero_stage: int = 2
-    seed: int = 0
+    max_staleness: int = ranged(0, "[0, 1024]")
+    zero_stage: int = ranged(2, "[0, 2]")
+    seed: int = ranged(0, "[0, 2**31 - 1]")  # and within apmpo.seeding's layout
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path
 
 
@@ -131,15 +213,15 @@ class CorrectionConfig:
     mode: Literal["off", "tis", "mis"] = "off"
     # sequence: ratio exp(mean_t(log pi_old - log pi_engine)), its w multiplies the advantage; token: one w per token
     level: Literal["token", "sequence"] = "sequence"
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
+    tis_cap: float = ranged(2.0, "(0, 1e6]")
+    mis_low: float = ranged(0.5, "[0, 1)")  # identical numerics give ratio 1, which must never be masked
+    mis_high: float = ranged(2.0, "(1, 1e6]")
 
 
 @dataclass
 class LoggingConfig:
-    run_name: str = "run"
-    output_dir: str = "runs"
+    run_name: str = path_field("run")
+    output_dir: str = path_field("runs")
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "apmpo"
@@ -147,8 +229,8 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_every: int = 50  # steps; 0 disables
-    keep_last: int = 2  # older checkpoints are deleted
+    save_every: int = ranged(50, "[0, 2**31 - 1]")  # steps; 0 disables
+    keep_last: int = ranged(2, "[0, 2**31 - 1]")  # older checkpoints are deleted; 0: none is
     export_hf: bool = True  # write hf/ (safetensors + tokenizer) in each checkpoint
     # "val/<benchmark>/pass@<k>" (a key the validation logs): the policy with its highest value so far is kept in
     # checkpoints/best/hf (with best.json: step, value), beside the last checkpoints and never pruned. None: off.
@@ -159,14 +241,14 @@ class CheckpointConfig:
 class EvalConfig:
     """Validation during training: every `every` steps and after the last, the current weights are evaluated through
     the generation server as `python -m apmpo.eval --seeds <train.seed>` does with these settings (apmpo/eval)."""
-    every: int = 0  # steps between validations; 0: off
+    every: int = ranged(0, "[0, 2**31 - 1]")  # steps between validations; 0: off
     benchmarks: str = "math500"  # comma-separated, as `python -m apmpo.eval --benchmarks`: built-ins, NAME=PATH, hub ids
-    n: int = 4  # samples per problem
-    temperature: float = 0.6
-    top_p: float = 0.95
-    max_tokens: int = 1024  # new tokens per sample
-    limit: int | None = None  # only the first `limit` problems of each benchmark; None: all
-    k: int | None = None  # pass@k logged beside pass@1; None: k = n
+    n: int = ranged(4, "[1, 2**16]")  # samples per problem
+    temperature: float = ranged(0.6, "[0, 2]")
+    top_p: float = ranged(0.95, "(0, 1]")
+    max_tokens: int = ranged(1024, "[1, 2**20]")  # new tokens per sample
+    limit: int | None = ranged(None, "[1, 2**31 - 1]")  # only the first `limit` problems of each benchmark; None: all
+    k: int | None = ranged(None, "[1, 2**16]")  # pass@k logged beside pass@1; None: k = n
     reward: str | None = None  # None: each benchmark's own (math, sql, ...); "pkg.module:function": yours, for all
 
 
@@ -211,30 +293,15 @@ class Config:
         """Cross-field checks; field types were checked on load. `check_sources`: the model, data and reward
         must exist here (off only to check a config meant for another machine)."""
         r, t = self.rollout, self.train
-        positive = {"rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
-                    "rollout.max_tokens": r.max_tokens, "train.steps": t.steps, "train.epochs": t.epochs,
-                    "train.mini_batch_size": t.mini_batch_size, "train.micro_batch_tokens": t.micro_batch_tokens,
-                    "train.dist_timeout_s": t.dist_timeout_s, "optim.lr": self.optim.lr,
-                    "train.max_skipped_in_a_row": t.max_skipped_in_a_row,
-                    "rollout.reward_step_timeout_s": r.reward_step_timeout_s,
-                    "rollout.reward_timeout_s": r.reward_timeout_s}
-        for key, value in positive.items():
-            if not value > 0:  # NaN too
-                raise ConfigError(f"{key} must be > 0, got {value}")
         if r.prompts_per_step % t.mini_batch_size:
             raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
                               f"train.mini_batch_size ({t.mini_batch_size})")
-        if t.max_staleness < 0:
-            raise ConfigError(f"train.max_staleness must be >= 0 (0: synchronous), got {t.max_staleness}")
-        if t.zero_stage not in (0, 1, 2):
-            raise ConfigError(f"train.zero_stage must be 0, 1 or 2, got {t.zero_stage}")
-        if r.group_size < 2:
-            raise ConfigError("rollout.group_size must be >= 2: group advantages need at least two samples")
         check_temperature("rollout.temperature", r.temperature, samples=r.group_size)
-        if not 0.0 < r.top_p <= 1.0:
-            raise ConfigError(f"rollout.top_p must lie in (0, 1], got {r.top_p}")
-        if r.top_k < -1 or r.top_k == 0:
+        if r.top_k == 0:
             raise ConfigError(f"rollout.top_k must be -1 (off) or > 0, got {r.top_k}")
+        if r.overlong_buffer > r.max_tokens:
+            raise ConfigError(f"rollout.overlong_buffer ({r.overlong_buffer}) must be <= rollout.max_tokens "
+                              f"({r.max_tokens}): it is the last part of the generation budget")
         if r.max_tokens + self.data.max_prompt_tokens > r.max_model_len:
             raise ConfigError(
                 f"rollout.max_tokens ({r.max_tokens}) + data.max_prompt_tokens ({self.data.max_prompt_tokens}) "
@@ -274,18 +341,27 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def _check_sources(cfg: Config) -> None:
-    """The model, data and reward a run names exist, so that a typo fails here, not after the server started."""
+    """The model, data, reward and transports a run names exist and work on this machine, so that a typo or a
+    missing package fails here, not after the server started."""
     path = cfg.model.path
     if path != "quickstart" and not Path(path).expanduser().is_dir() and not HUB_ID.match(path):
         raise ConfigError(f"model.path {path!r} is neither a local directory nor a hub id (org/name)")
+    _check_model_positions(cfg)
     train = cfg.data.train
     from apmpo.data import BUILTIN  # noqa: PLC0415  (light: no torch, no sympy)
 
-    if train not in BUILTIN and train != "quickstart" and not Path(train).expanduser().exists():
-        if train.endswith(DATA_SUFFIXES) or not HUB_ID.match(train):
+    if train not in BUILTIN and train != "quickstart":
+        if Path(train).expanduser().is_file():
+            _check_data_file(cfg.data)
+        elif not Path(train).expanduser().exists() and (train.endswith(DATA_SUFFIXES) or not HUB_ID.match(train)):
             raise ConfigError(f"data.train {train!r}: no such file, and not a built-in dataset "
                               f"({', '.join(sorted(BUILTIN))}, quickstart) or a hub id (org/name)")
     _check_reward(cfg.data.reward)
+    if cfg.rollout.weight_sync in ("nccl", "cuda_ipc") and not torch.cuda.is_available():
+        raise ConfigError(f"rollout.weight_sync: {cfg.rollout.weight_sync} needs CUDA, which this machine lacks; "
+                          "use auto (gloo or shm on CPU)")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb: true, but wandb is not installed (pip install wandb)")
     if cfg.eval.every:
         from apmpo.eval.run import EvalError, check_benchmark_sources  # noqa: PLC0415
 
@@ -297,18 +373,53 @@ def _check_sources(cfg: Config) -> None:
             _check_reward(cfg.eval.reward, "eval.reward")
 
 
+def _is_url(url: str) -> bool:
+    """An http(s)://host[:port] URL, the port (when given) in 1..65535."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port_ok = parts.port != 0  # .port raises ValueError outside 0..65535
+    except ValueError:
+        return False
+    return port_ok and parts.scheme in ("http", "https") and bool(parts.hostname) and not re.search(r"\s", url)
+
+
+def _check_model_positions(cfg: Config) -> None:
+    """rollout.max_model_len within the model's positions, when its config.json is on this machine (vLLM would
+    refuse it only after the server started)."""
+    try:
+        model = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # a hub id, the quickstart's (written at the start of the run), or vLLM's to judge
+    positions = model.get("max_position_embeddings", (model.get("text_config") or {}).get("max_position_embeddings"))
+    if isinstance(positions, int) and cfg.rollout.max_model_len > positions:
+        raise ConfigError(f"rollout.max_model_len ({cfg.rollout.max_model_len}) exceeds the model's "
+                          f"max_position_embeddings ({positions}, {cfg.model.path}/config.json)")
+
+
+def _check_data_file(d: DataConfig) -> None:
+    """A local data file is read and mapped to records here (no tokenizer: cheap), so that an empty or malformed
+    file, or one missing a field, fails before any server starts."""
+    from apmpo.data import load_records  # noqa: PLC0415
+
+    try:
+        records = load_records(d.train, split=d.split, fields=d.fields, db_root=d.db_root,
+                               system_prompt=d.system_prompt, image_root=d.image_root)
+    except Exception as error:  # noqa: BLE001  (whatever the file does wrong is the config's error)
+        message = f"missing field {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+        raise ConfigError(f"data.train {d.train!r}: {message}") from None
+    if not records:
+        raise ConfigError(f"data.train {d.train!r} holds no records (with a gold answer)")
+
+
 def _check_servers(cfg: Config) -> None:
     r = cfg.rollout
-    if r.num_servers < 1:
-        raise ConfigError(f"rollout.num_servers must be >= 1, got {r.num_servers}")
-    if r.tensor_parallel_size is not None and r.tensor_parallel_size < 1:
-        raise ConfigError(f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}")
+    if r.url is not None and not _is_url(r.url):
+        raise ConfigError(f"rollout.url must be an http(s)://host:port URL (port 1-65535), got {r.url!r}")
     if r.urls is not None:
         if r.url is not None:
             raise ConfigError("rollout.url and rollout.urls are both set: list every server in rollout.urls")
-        bad = [u for u in r.urls if not re.match(r"^https?://[^/\s]+", u)]
-        if not r.urls or bad or len(set(r.urls)) < len(r.urls):
-            raise ConfigError(f"rollout.urls must list distinct http(s)://host:port URLs, got {r.urls}")
+        if not r.urls or not all(map(_is_url, r.urls)) or len(set(r.urls)) < len(r.urls):
+            raise ConfigError(f"rollout.urls must list distinct http(s)://host:port URLs (port 1-65535), got {r.urls}")
         if r.num_servers not in (1, len(r.urls)):
             raise ConfigError(f"rollout.num_servers ({r.num_servers}) is for servers the run starts; rollout.urls "
                               f"names {len(r.urls)} running ones")
@@ -328,13 +439,6 @@ def _check_servers(cfg: Config) -> None:
 
 def _check_correction(cfg: Config) -> None:
     c, r = cfg.correction, cfg.rollout
-    if not c.tis_cap > 0:  # NaN too
-        raise ConfigError(f"correction.tis_cap must be > 0, got {c.tis_cap}")
-    # Identical numerics give ratio 1, which must never be masked.
-    if not 0 <= c.mis_low < 1:
-        raise ConfigError(f"correction.mis_low must lie in [0, 1), got {c.mis_low}")
-    if not 1 < c.mis_high < math.inf:
-        raise ConfigError(f"correction.mis_high must be > 1 and finite, got {c.mis_high}")
     if c.mode != "off" and (r.top_p < 1.0 or r.top_k > 0):
         # The engine's log-probs are of the top-p/top-k truncated, renormalised distribution; the learner's
         # are of the full softmax / temperature. Their ratio would bias every importance weight.
@@ -344,17 +448,13 @@ def _check_correction(cfg: Config) -> None:
 
 def _check_eval(cfg: Config) -> None:
     e, keep_best = cfg.eval, cfg.checkpoint.keep_best
-    if e.every < 0:
-        raise ConfigError(f"eval.every must be >= 0 (0: off), got {e.every}")
     if e.every == 0:
         if keep_best is not None:
             raise ConfigError("checkpoint.keep_best needs validation: set eval.every > 0")
         return
-    checks = [(bool(e.benchmarks.strip()), "eval.benchmarks is empty"), (e.n >= 1, f"eval.n must be >= 1, got {e.n}"),
-              (e.k is None or 1 <= e.k <= e.n, f"eval.k must lie in [1, eval.n={e.n}], got {e.k}"),
-              (0.0 < e.top_p <= 1.0, f"eval.top_p must lie in (0, 1], got {e.top_p}"),
-              (e.limit is None or e.limit >= 1, f"eval.limit must be >= 1, got {e.limit}"),
-              (0 < e.max_tokens < cfg.rollout.max_model_len,
+    checks = [(bool(e.benchmarks.strip()), "eval.benchmarks is empty"),
+              (e.k is None or e.k <= e.n, f"eval.k must lie in [1, eval.n={e.n}], got {e.k}"),
+              (e.max_tokens < cfg.rollout.max_model_len,
                f"eval.max_tokens must lie in [1, rollout.max_model_len={cfg.rollout.max_model_len}), got {e.max_tokens}")]
     for ok, message in checks:
         if not ok:
@@ -401,7 +501,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
                 raise ConfigError(f"--set {item!r}: {part!r} is not a section")
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
     loss = data.get("loss") or {}
-    entry = POLICY_LOSSES.get(loss.get("name", LossConfig.name))
+    name = loss.get("name", LossConfig.name) if isinstance(loss, dict) else None
+    entry = POLICY_LOSSES.get(name) if isinstance(name, str) else None  # other values fail in _build, naming the key
     if entry is not None and entry.needs_token_budget and loss.get("token_budget") is None:
         # Dr. GRPO's constant: the generation budget per sequence, as TRL's max_completion_length.
         data["loss"] = {**loss, "token_budget": (data.get("rollout") or {}).get("max_tokens", RolloutConfig.max_tokens)}
@@ -443,7 +544,8 @@ def _build(cls, data: Any, prefix: str, source: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    metadata = {f.name: f.metadata for f in dataclasses.fields(cls)}
+    names = list(metadata)
     kwargs = {}
     for key, value in data.items():
         if key not in names:
@@ -454,7 +556,11 @@ def _build(cls, data: Any, prefix: str, source: str):
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value if value is not None else {}, f"{prefix}{key}.", source)
         else:
-            kwargs[key] = _check_type(value, hint, f"{prefix}{key}", source)
+            kwargs[key] = value = _check_type(value, hint, f"{prefix}{key}", source)
+            if "range" in metadata[key] and value is not None:
+                check_range(f"{source}: {prefix}{key}", value, metadata[key]["range"])
+            if metadata[key].get("path") and value is not None:
+                check_path(f"{source}: {prefix}{key}", value)
     try:
         return cls(**kwargs)
     except ValueError as exc:  # e.g. LossConfig's own checks

@@ -45,7 +45,7 @@ tensor, which `adaptive_params` returns because rewards live on the CPU).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, Literal
 
 import torch
@@ -77,30 +77,41 @@ def _upcast(x: Tensor) -> Tensor:
 class LossConfig:
     """Hyper-parameters of the policy loss. Defaults are the papers' (SPEC.md §2-4; per loss: `POLICY_LOSSES`)."""
 
+    # Each number declares its range as apmpo.config reads it, {"range": "[lo, hi]"} in the field's metadata.
     name: str = "apmpo"  # a key of POLICY_LOSSES
-    eps_low: float | None = None  # fixed lower clip: ratio >= 1 - eps_low (all but gmpo); None: the loss's default
-    eps_high: float | None = None  # fixed upper clip (dapo 0.28, gspo 4e-4); apmpo uses it when fac=False
-    eps_min: float = 0.2  # FAC: eps_ada = eps_min + (eps_max - eps_min) * tanh(FSS)
-    eps_max: float = 0.4
-    gamma: float = 0.8  # PMPO: p = exp(-gamma * mu_R)  (or 1 - gamma * mu_R for p_schedule="linear")
-    delta: float = 1e-6  # added to standard deviations (advantages and FSS)
+    # fixed lower clip: ratio >= 1 - eps_low (all but gmpo); None: the loss's default
+    eps_low: float | None = field(default=None, metadata={"range": "[0, 1)"})
+    # fixed upper clip (dapo 0.28, gspo 4e-4); apmpo uses it when fac=False
+    eps_high: float | None = field(default=None, metadata={"range": "[0, 100]"})
+    # FAC: eps_ada = eps_min + (eps_max - eps_min) * tanh(FSS)
+    eps_min: float = field(default=0.2, metadata={"range": "[0, 100]"})
+    eps_max: float = field(default=0.4, metadata={"range": "[0, 100]"})
+    # PMPO: p = exp(-gamma * mu_R)  (or 1 - gamma * mu_R for p_schedule="linear")
+    gamma: float = field(default=0.8, metadata={"range": "[0, 100]"})
+    # added to standard deviations (advantages and FSS)
+    delta: float = field(default=1e-6, metadata={"range": "(0, 1]"})
     p_schedule: Literal["exp", "linear"] = "exp"
     fss: Literal["full", "mu_only", "sigma_only"] = "full"  # FSS = mu/(sigma+delta) | mu | 1/(sigma+delta)
     clip_mode: Literal["asymmetric", "symmetric"] = "asymmetric"  # symmetric: clip(r, 1-eps_ada, 1+eps_ada)
     stats_scope: Literal["batch", "group"] = "batch"  # mu_R, sigma_R over the step's batch, or per prompt
     fac: bool = True  # adaptive upper clip; False: eps_high (name="apmpo", fac=False is PMPO alone)
     pmpo: bool = True  # adaptive power mean; False: p = 1 (name="apmpo", pmpo=False is GRPO+FAC)
-    gmpo_clip: float = 0.4  # GMPO clips the log-ratio to [-gmpo_clip, gmpo_clip], sign-aware
-    kl_beta: float = 0.001  # weight of KL(pi_theta || pi_ref); 0 means no reference model at all
+    # GMPO clips the log-ratio to [-gmpo_clip, gmpo_clip], sign-aware
+    gmpo_clip: float = field(default=0.4, metadata={"range": "(0, 100]"})
+    # weight of KL(pi_theta || pi_ref); 0 means no reference model at all
+    kl_beta: float = field(default=0.001, metadata={"range": "[0, 100]"})
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     # Dr. GRPO's constant: its loss is the sum of all token terms / (num_seqs * token_budget). Set it to the
     # generation budget (rollout.max_tokens), as TRL divides by max_completion_length.
-    token_budget: int | None = None
+    token_budget: int | None = field(default=None, metadata={"range": "[1, 2**24]"})
 
     def __post_init__(self):
         if self.name not in POLICY_LOSSES:
             raise ValueError(f"loss.name must be one of {list(POLICY_LOSSES)}, got {self.name!r}")
         entry = POLICY_LOSSES[self.name]
+        for f in fields(self):  # NaN passes every comparison below: kl_beta=nan would turn the KL term off
+            if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name)):
+                raise ValueError(f"loss.{f.name} must be finite, got {getattr(self, f.name)}")
         for key in ("eps_low", "eps_high"):  # the loss's own defaults
             if getattr(self, key) is None:
                 object.__setattr__(self, key, getattr(entry, key))

@@ -12,6 +12,9 @@ code, no torchvision) and synthetic labelled diagrams with verifiable answers (`
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -98,15 +101,38 @@ def save_tiny_model(
     seed: int = 0,
     **model_kwargs,
 ) -> Path:
-    """Write a tiny checkpoint (safetensors) with its tokenizer to `out_dir`; returns the path.
+    """Write a tiny checkpoint (safetensors) with its tokenizer to `out_dir`, atomically (see `_write_atomically`);
+    returns the path.
 
     The tokenizer defaults to `build_tokenizer(corpus)`."""
-    out_dir = Path(out_dir)
     tokenizer = build_tokenizer(corpus) if tokenizer is None else tokenizer
     model = build_model(tokenizer, tie_word_embeddings=tie_word_embeddings, seed=seed, **model_kwargs)
     model.generation_config.do_sample = False  # the server never reads it; sampling is explicit
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    return _write_atomically(Path(out_dir), write)
+
+
+def _write_atomically(out_dir: Path, write) -> Path:
+    """`write(folder)` into a fresh sibling folder, renamed to `out_dir` (replacing it) once complete: a process
+    killed while writing leaves `out_dir` absent or whole, never a half-written model that every later run would
+    fail to read. Partial folders that a killed writer left are removed here."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out_dir.name}.partial-"
+    for stale in out_dir.parent.glob(f"{prefix}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir.parent))
+    try:
+        write(partial)
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            shutil.rmtree(out_dir)  # rename(2) replaces an empty folder only
+        os.replace(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return out_dir
 
 

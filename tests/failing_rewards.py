@@ -34,3 +34,16 @@ def hang(completion: str, sample: dict) -> float:
 
     time.sleep(3600)
     return 1.0
+
+
+def allocate(completion: str, sample: dict) -> float:
+    """Allocates (and touches) as many MiB as the completion says."""
+    block = bytearray(int(completion) << 20)
+    return float(len(block) > 0)
+
+
+def hang_on_hang(completion: str, sample: dict) -> float:
+    """Hangs on the completion "hang"; 1.0 otherwise."""
+    if completion == "hang":
+        hang(completion, sample)
+    return 1.0

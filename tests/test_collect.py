@@ -29,7 +29,7 @@ def collect(reward="quickstart", fake=None, overrides=(), step=1, timeout_s=1.0)
         fn = get_reward(reward) if isinstance(reward, str) else reward
         batch = collect_rollouts(
             fake, sampler, [[i] for i in range(len(RECORDS))], RECORDS,
-            lambda completions, samples, deadline: pool.score(fn, completions, samples, deadline=deadline),
+            lambda completions, samples, **limits: pool.score(fn, completions, samples, **limits),
             cfg.rollout, cfg.loss, run_seed=0, step=step, stop_token_ids=[2])
     return batch, fake
 
@@ -118,7 +118,7 @@ def test_nan_rewards_score_zero_are_counted_logged_once_and_the_batch_is_finite(
     assert 0 < batch.metrics["reward/failures"] == expected
     assert batch.rewards.flatten().tolist() == [float((seed + k) % 3 != 0) for k in range(B * G)]
     assert math.isfinite(batch.metrics["reward/mean"]) and math.isfinite(batch.metrics["reward/std"])
-    assert caplog.text.count("the reward returned nan, not a finite number") == 1
+    assert caplog.text.count("the reward returned nan, not a finite float32 number") == 1
 
 
 def test_a_reward_that_always_crashes_stops_the_step_naming_the_error():

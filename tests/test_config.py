@@ -1,10 +1,19 @@
 """Typed configuration: every shipped YAML loads; bad keys, types and files fail clearly."""
+import dataclasses
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import types
+import typing
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from apmpo.config import Config, ConfigError, load_config, save_config
+from apmpo.config import Config, ConfigError, _parse_range, check_range, load_config, save_config
 from apmpo.loss import LossConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
@@ -127,18 +136,21 @@ def test_paper_recipe():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("optim.lr=0", r"optim.lr must be > 0, got 0.0"),
-    ("optim.lr=-1e-6", r"optim.lr must be > 0"),
-    ("rollout.temperature=-0.1", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\], got -0.1"),
-    ("rollout.temperature=.inf", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
+    ("optim.lr=0", r"optim.lr must lie in \(0, 1\], got 0.0"),
+    ("optim.lr=-1e-6", r"optim.lr must lie in \(0, 1\], got -1e-06"),
+    ("rollout.temperature=-0.1", r"rollout.temperature must lie in \[0, 2\], got -0.1"),
+    ("rollout.temperature=.inf", r"rollout.temperature must lie in \[0, 2\], got inf"),
     ("rollout.temperature=0.005", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
     ("rollout.temperature=0", r"rollout.temperature is 0 \(greedy\), which gives 8 identical samples per prompt"),
-    ("rollout.temperature=2.5", r"rollout.temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"),
+    ("rollout.temperature=2.5", r"rollout.temperature must lie in \[0, 2\], got 2.5"),
     ("rollout.top_p=0", r"rollout.top_p must lie in \(0, 1\], got 0.0"),
-    ("rollout.top_p=1.5", r"rollout.top_p must lie in \(0, 1\]"),
-    ("rollout.top_p=.nan", r"rollout.top_p must lie in \(0, 1\]"),
+    ("rollout.top_p=1.5", r"rollout.top_p must lie in \(0, 1\], got 1.5"),
+    ("rollout.top_p=.nan", r"rollout.top_p must lie in \(0, 1\], got nan"),
     ("rollout.top_k=0", r"rollout.top_k must be -1 \(off\) or > 0"),
-    ("train.dist_timeout_s=0", r"train.dist_timeout_s must be > 0"),
+    ("rollout.top_k=-2", r"rollout.top_k must lie in \[-1, 2\*\*20\], got -2"),
+    ("train.dist_timeout_s=0", r"train.dist_timeout_s must lie in \(0, 2592000\], got 0.0"),
+    ("train.dist_timeout_s=1e308", r"train.dist_timeout_s must lie in \(0, 2592000\], got 1e\+308"),
+    ("rollout.overlong_buffer=1025", r"rollout.overlong_buffer \(1025\) must be <= rollout.max_tokens \(1024\)"),
     ("data.reward=maths", r"data.reward 'maths': KeyError: .*unknown reward 'maths'"),
     ("data.reward=no_such_pkg.rewards:score", r"data.reward 'no_such_pkg.rewards:score': ModuleNotFoundError"),
     ("data.reward=json:no_such_function", r"data.reward 'json:no_such_function'"),
@@ -176,3 +188,170 @@ def test_dr_grpo_budget_defaults_to_the_generation_budget():
     assert load_config(None, ["loss.name=dr_grpo", "rollout.max_tokens=512"]).loss.token_budget == 512
     assert load_config(None, ["loss.name=dr_grpo"]).loss.token_budget == 1024  # rollout.max_tokens' default
     assert load_config(None, ["loss.name=dr_grpo", "loss.token_budget=4096"]).loss.token_budget == 4096
+
+
+# ---------------------------------------------------------------------------- every leaf, walked from the dataclasses
+
+
+def _leaves(cls=Config, prefix=""):
+    """(dotted key, type without None, field) of every leaf of the config: a new key is covered automatically."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _leaves(hint, f"{prefix}{f.name}.")
+            continue
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        yield f"{prefix}{f.name}", hint, f
+
+
+LEAVES = list(_leaves())
+NUMERIC = [(key, f) for key, hint, f in LEAVES if hint in (int, float)]
+
+
+def test_the_walk_finds_every_section_and_numeric_key():
+    assert {key.split(".")[0] for key, _, _ in LEAVES} == {f.name for f in dataclasses.fields(Config)}
+    assert len(NUMERIC) >= 57 and ("loss.kl_beta", LossConfig.__dataclass_fields__["kl_beta"]) in NUMERIC
+
+
+def test_every_numeric_key_declares_a_range_that_holds_its_default():
+    for key, f in NUMERIC:
+        assert "range" in f.metadata, f"{key} declares no range: add one (config.ranged, or the field's metadata)"
+        if f.default is not None:
+            check_range(key, f.default, f.metadata["range"])
+    # Only these keys give -1 a meaning; any other range that holds it is a mistake.
+    holds_minus_one = {key for key, f in NUMERIC if _parse_range(f.metadata["range"])[1] <= -1}
+    assert holds_minus_one == {"rollout.top_k"}
+
+
+def _outside(hint, interval: str) -> list:
+    """Values just outside each bound of `interval`."""
+    closed_lo, lo, hi, closed_hi = _parse_range(interval)
+    if hint is int:
+        return [lo - 1 if closed_lo else lo, hi + 1 if closed_hi else hi]
+    return [math.nextafter(lo, -math.inf) if closed_lo else lo, math.nextafter(hi, math.inf) if closed_hi else hi]
+
+
+def _bad_values(key, hint, f) -> list:
+    if hint in (int, float):
+        in_range = _parse_range(f.metadata["range"])[1] <= -1
+        return [".nan", ".inf", "-.inf", "1e300" if hint is float else str(10**30), "abc", "[1, 2]",
+                *([] if in_range else ["-1"]), *map(repr, _outside(hint, f.metadata["range"]))]
+    if hint is bool:
+        return ["abc", "2", "[true]"]
+    if typing.get_origin(hint) is typing.Literal:
+        return ["no_such_value", "[1, 2]", "{a: 1}"]
+    if typing.get_origin(hint) is list:
+        return ["abc", "{a: 1}", "[[1, 2]]"]
+    assert hint is str, f"{key}: a type this test does not know ({hint}): add its bad values"
+    return ["[1, 2]", "{a: 1}", *(["x" * 5000, "a/" + "b" * 300] if f.metadata.get("path") else [])]
+
+
+BAD = [(key, value) for key, hint, f in LEAVES for value in _bad_values(key, hint, f)]
+
+
+def test_every_leaf_refuses_bad_values_naming_the_key():
+    assert len(BAD) > 500
+    accepted = []
+    for key, value in BAD:
+        try:
+            load_config(None, [f"{key}={value}"], check_sources=False)
+        except ConfigError as error:
+            assert key in str(error), (key, value, str(error))
+        else:
+            accepted.append((key, value))
+    assert accepted == []
+
+
+@pytest.mark.parametrize("override, message", [
+    # The probe's values that crashed or were applied silently (issue 31, item 10).
+    ("rollout.url=-1", r"rollout.url must be an http\(s\)://host:port URL \(port 1-65535\), got '-1'"),
+    ("rollout.url=http://127.0.0.1:99999", r"rollout.url must be an http\(s\)://host:port URL"),
+    ('rollout.urls=["http://127.0.0.1:8000", "http://127.0.0.1:99999"]', r"rollout.urls must list distinct http"),
+    ('rollout.urls=["http://127.0.0.1:-1"]', r"rollout.urls must list distinct http"),
+    ("loss.name=[1, 2]", r"loss.name expects str, got list \[1, 2\]"),
+    (f"rollout.num_servers={10**30}", r"rollout.num_servers must lie in \[1, 1024\]"),
+    (f"model.path={'m' * 5000}", r"model.path is longer than a path may be \(5000 characters"),
+    ("rollout.max_sampling_rounds=0", r"rollout.max_sampling_rounds must lie in \[1, 2\*\*8\], got 0"),
+    ("data.seed=1e30", r"data.seed expects int, got str '1e30'"),
+    (f"data.seed={10**30}", r"data.seed must lie in \[0, 2\*\*32 - 1\]"),
+    (f"eval.n={10**30}", r"eval.n must lie in \[1, 2\*\*16\]"),
+    ("checkpoint.save_every=-1", r"checkpoint.save_every must lie in \[0, 2\*\*31 - 1\], got -1"),
+    ("optim.max_grad_norm=-1", r"optim.max_grad_norm must lie in \[0, 1e6\], got -1.0"),
+    ("optim.max_grad_norm=.nan", r"optim.max_grad_norm must lie in \[0, 1e6\], got nan"),
+    ("optim.lr=.inf", r"optim.lr must lie in \(0, 1\], got inf"),
+    ("optim.adam_beta1=-0.1", r"optim.adam_beta1 must lie in \[0, 1\), got -0.1"),
+    ("train.logprob_chunk_tokens=0", r"train.logprob_chunk_tokens must lie in \[1, 2\*\*31 - 1\], got 0"),
+    ("rollout.gpu_memory_utilization=.nan", r"rollout.gpu_memory_utilization must lie in \(0, 1\], got nan"),
+    ("rollout.reward_workers=-1", r"rollout.reward_workers must lie in \[1, 1024\], got -1"),
+    ("loss.kl_beta=.nan", r"loss.kl_beta must lie in \[0, 100\], got nan"),
+    ("loss.eps_max=.inf", r"loss.eps_max must lie in \[0, 100\], got inf"),
+    ("loss.eps_high=-1", r"loss.eps_high must lie in \[0, 100\], got -1.0"),
+    ("loss.gamma=.nan", r"loss.gamma must lie in \[0, 100\], got nan"),
+    ("loss.delta=.nan", r"loss.delta must lie in \(0, 1\], got nan"),
+])
+def test_the_probes_bad_values_fail_at_load_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override], check_sources=False)
+
+
+def test_loss_config_refuses_non_finite_values_without_the_loader():
+    with pytest.raises(ValueError, match=r"loss.kl_beta must be finite, got nan"):
+        LossConfig(kl_beta=math.nan)
+
+
+def test_reward_step_timeout_defaults_from_the_item_timeout():
+    assert load_config(None, ["rollout.reward_timeout_s=2"]).rollout.reward_step_timeout_s == 60.0  # 30 x 2 s
+    assert load_config(None, ["rollout.reward_step_timeout_s=5"]).rollout.reward_step_timeout_s == 5.0
+
+
+def test_what_this_machine_lacks_fails_at_load():
+    for transport in ("nccl", "cuda_ipc"):  # this CPU machine has no CUDA
+        if not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match=f"rollout.weight_sync: {transport} needs CUDA"):
+                load_config(None, [f"rollout.weight_sync={transport}"])
+    assert load_config(None, ["rollout.weight_sync=nccl"], check_sources=False).rollout.weight_sync == "nccl"
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ConfigError, match=r"logging.wandb: true, but wandb is not installed"):
+            load_config(None, ["logging.wandb=true"])
+
+
+def test_max_model_len_is_checked_against_the_models_positions(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 2048}))
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len \(4096\) exceeds the model's max_position_embeddings "
+                                          r"\(2048, .*config.json\)"):
+        load_config(None, [f"model.path={tmp_path}"])
+    assert load_config(None, [f"model.path={tmp_path}", "rollout.max_model_len=2048"]).rollout.max_model_len == 2048
+    # A vision-language model keeps it in its text_config.
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 1024}}))
+    with pytest.raises(ConfigError, match=r"exceeds the model's max_position_embeddings \(1024"):
+        load_config(None, [f"model.path={tmp_path}", "rollout.max_model_len=2048"])
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", r"holds no records"),
+    ('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "ans\n', r"JSONDecodeError"),
+    ('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n', r"missing field 'answer'"),
+    ('{"prompt": "1+1"}\n', r"cannot tell the field mapping from columns \['prompt'\]"),
+])
+def test_a_bad_data_file_fails_at_load(tmp_path, content, message):
+    path = tmp_path / "train.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=rf"data.train '{path}'.*{message}"):
+        load_config(None, [f"data.train={path}"])
+    path.write_text('{"problem": "1+1", "answer": "2"}\n')
+    assert load_config(None, [f"data.train={path}"]).data.train == str(path)
+
+
+def test_the_cli_refuses_bad_values_before_anything_starts(tmp_path):
+    """Two of the probe's values that gave a traceback, through launch/train.py: exit 2 and one line."""
+    root = Path(__file__).parent.parent
+    for override, message in (("rollout.url=-1", "rollout.url must be an http(s)://host:port URL"),
+                              ("loss.name=[1, 2]", "loss.name expects str, got list [1, 2]")):
+        done = subprocess.run([sys.executable, str(root / "launch/train.py"), "--config",
+                               str(root / "configs/quickstart.yaml"), "--set", override],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stderr.startswith("apmpo: bad config: "), (override, done.stderr)
+        assert message in done.stderr and "Traceback" not in done.stderr, (override, done.stderr)
+    assert list(tmp_path.iterdir()) == []  # nothing was written, no run directory

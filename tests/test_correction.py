@@ -147,12 +147,12 @@ def test_correction_config_is_checked_at_load():
     assert load_config(None, []).correction.mode == "off"  # the default: no weights
     bad = {"correction.mode=clip": r"correction.mode must be one of \['off', 'tis', 'mis'\], got 'clip'",
            "correction.level=batch": r"correction.level must be one of \['token', 'sequence'\]",
-           "correction.tis_cap=0": "correction.tis_cap must be > 0, got 0.0",
-           "correction.tis_cap=nan": "correction.tis_cap must be > 0, got nan",
+           "correction.tis_cap=0": r"correction.tis_cap must lie in \(0, 1e6\], got 0.0",
+           "correction.tis_cap=nan": r"correction.tis_cap must lie in \(0, 1e6\], got nan",
            "correction.mis_low=1.0": r"correction.mis_low must lie in \[0, 1\), got 1.0",
            "correction.mis_low=-0.1": r"correction.mis_low must lie in \[0, 1\), got -0.1",
-           "correction.mis_high=1": "correction.mis_high must be > 1 and finite, got 1.0",
-           "correction.mis_high=.inf": "correction.mis_high must be > 1 and finite, got inf",
+           "correction.mis_high=1": r"correction.mis_high must lie in \(1, 1e6\], got 1.0",
+           "correction.mis_high=.inf": r"correction.mis_high must lie in \(1, 1e6\], got inf",
            "train.tis_cap=2.0": r"unknown key 'train.tis_cap'"}
     for override, message in bad.items():
         with pytest.raises(ConfigError, match=message):

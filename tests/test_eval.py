@@ -357,3 +357,13 @@ def test_cli_end_to_end_on_a_tiny_model_through_the_real_server(tiny_tied, tmp_p
     assert again.returncode == 0 and "32 (problem, seed) pairs: 32 already in" in again.stderr and "0 to generate" in again.stderr
     assert time.monotonic() - tick < 30 and "generation server" not in again.stderr
     assert read_samples(out) == samples
+
+
+def test_an_unwritable_out_is_one_clear_line_before_anything_runs(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for out, reason in ((tmp_path / "file", "File exists"), (tmp_path / "file" / "sub", "Not a directory"),
+                        (Path("/proc/apmpo-eval"), "No such file or directory")):
+        # "org/name" is a hub id that is never fetched: --out is refused first.
+        assert main(["--model", "org/name", "--benchmarks", "amc23", "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err == f"apmpo.eval: error: --out {out}: cannot write there ({reason})\n", err

@@ -1,6 +1,7 @@
 """Grading as the references grade (issue 13): several boxed answers read as a set (math-verify), and SQL predictions
 normalised as Spider's official test-suite evaluation does before they run. Real math-verify, real sqlite."""
 import pytest
+from math_verify import parse, verify
 
 from apmpo.data import SPIDER_DB_ROOT
 from apmpo.rewards import math_reward, sql_reward
@@ -28,6 +29,40 @@ CONCERT = str(SPIDER_DB_ROOT / "concert_singer" / "concert_singer.sqlite")
 ])
 def test_several_boxes_are_one_answer_set(completion, gold, reward):
     assert math_reward(completion, {"answer": gold}) == reward
+
+
+# Boxes joined by LaTeX (issue 31, item 17): spacing, \text{} of a joining phrase, math delimiters. math-verify's own
+# test cases expect a match for these; ours graded them 0 (only ",", "and", "or" joined boxes).
+LATEX_JOINS = [
+    "\\boxed{2} \\quad \\text{and} \\quad \\boxed{3}",
+    "\\boxed{2} \\text{ for part (a) and } \\boxed{3}",
+    "\\( \\boxed{2} \\) and \\( \\boxed{3} \\)",
+    "\\[ \\boxed{2} \\] or \\[ \\boxed{3} \\]",
+    "\\boxed{2} \\qquad \\boxed{3}",
+    "\\boxed{2},\\, \\boxed{3}",
+    "\\boxed{2} ~and~ \\boxed{3}",
+    "\\boxed{2} \\text{or} \\boxed{3}",
+]
+
+
+@pytest.mark.parametrize("completion", LATEX_JOINS)
+def test_boxes_joined_by_latex_are_one_answer_set_as_math_verify_reads_them(completion):
+    assert final_boxes(completion) == ["2", "3"]
+    for gold, reward in (("2, 3", 1.0), ("3, 2", 1.0), ("3", 0.0), ("2", 0.0)):
+        assert math_reward(completion, {"answer": gold}) == reward
+        assert verify(parse(f"${gold}$"), parse(completion)) == bool(reward)  # math-verify's own reading agrees
+
+
+@pytest.mark.parametrize("completion", [
+    "\\boxed{2} \\text{, so the other is } \\boxed{3}",  # \text{} of more than a joining phrase
+    "\\boxed{2} \\text{andrew} \\boxed{3}",
+    "\\boxed{2} \\quadratic \\boxed{3}",             # not \quad
+    "\\boxed{2} \\boxed{3}",                           # whitespace alone
+    "$\\boxed{2}$ $\\boxed{3}$",                         # or math delimiters alone
+    "\\[ \\boxed{2} \\] \\[ \\boxed{3} \\]",
+])
+def test_other_text_between_boxes_still_keeps_the_last_box_only(completion):
+    assert final_boxes(completion) == ["3"]
 
 
 def test_final_boxes_reads_the_last_run_only_and_at_most_six():

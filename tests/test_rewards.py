@@ -253,8 +253,9 @@ def dying_reward(completion: str, sample: dict) -> float:
 
 def odd_value_reward(completion: str, sample: dict):
     """Returns what the completion names: a NaN about 1 time in 20 is what made training silently stop."""
+    # 1e300 and -1e39 are finite Python floats, and inf as the float32 that rewards are stored in; 3e38 is not.
     return {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "text": "1.0", "none": None,
-            "int": 1, "bool": True}.get(completion, 0.5)
+            "int": 1, "bool": True, "1e300": 1e300, "-1e39": -1e39, "3e38": 3e38}.get(completion, 0.5)
 
 
 def test_registry():
@@ -319,11 +320,11 @@ def test_batch_a_large_item_never_waits_in_the_pipe_of_a_hung_worker():
 
 
 def test_batch_non_finite_and_non_numeric_rewards_are_failures(caplog):
-    completions = ["ok", "nan", "ok", "inf", "-inf", "text", "none", "int", "bool", "ok"]
-    scores, summary = score_batch(odd_value_reward, completions, [{}] * 10, timeout_s=10, num_workers=1)
-    assert scores == [0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5]
-    assert summary["errors"] == summary["failures"] == 5
-    assert summary["first_error"] == "ValueError: the reward returned nan, not a finite number"
+    completions = ["ok", "nan", "ok", "inf", "-inf", "text", "none", "int", "bool", "ok", "1e300", "-1e39", "3e38"]
+    scores, summary = score_batch(odd_value_reward, completions, [{}] * 13, timeout_s=10, num_workers=1)
+    assert scores == [0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0, 0.0, 3e38]
+    assert summary["errors"] == summary["failures"] == 7
+    assert summary["first_error"] == "ValueError: the reward returned nan, not a finite float32 number"
     assert len([r for r in caplog.records if "reward scoring failed" in r.getMessage()]) == 1
 
 
@@ -384,3 +385,44 @@ def test_batch_pathological_latex_times_out():
     scores, summary = score_batch("math", completions, [{"answer": "1"}, {"answer": "2"}], timeout_s=2, num_workers=2)
     assert scores == [0.0, 1.0]
     assert summary["timeouts"] + summary["errors"] <= 1
+
+
+def test_hung_items_time_out_side_by_side():
+    """One worker, four hung items among four good ones: one after another they would cost four 2 s timeouts (8 s);
+    a stalled worker's next items go to an extra worker, so the hangs overlap."""
+    from failing_rewards import hang_on_hang
+
+    completions = ["hang", "ok", "hang", "ok", "hang", "ok", "hang", "ok"]
+    with RewardPool(num_workers=1, timeout_s=2.0) as pool:
+        pool.score(hang_on_hang, ["ok"], [{}])  # started up, the reward's module imported
+        start = time.monotonic()
+        scores, summary = pool.score(hang_on_hang, completions, [{}] * 8)
+        elapsed = time.monotonic() - start
+        assert scores == [0.0, 1.0] * 4 and summary["timeouts"] == summary["failures"] == 4
+        assert elapsed < 6.0, elapsed  # about 4 x 0.5 s to see each stall, and one 2 s timeout
+        assert len(pool._workers) == 1  # the extra workers went with the call
+
+
+def test_a_call_stops_once_the_failures_pass_max_failures():
+    from failing_rewards import hang_on_hang
+
+    with RewardPool(num_workers=1, timeout_s=1.0) as pool:
+        pool.score(hang_on_hang, ["ok"], [{}])
+        start = time.monotonic()
+        scores, summary = pool.score(hang_on_hang, ["hang"] * 20, [{}] * 20, max_failures=2)
+        elapsed = time.monotonic() - start
+    # Three failures decide it; hangs that timed out in the same instant count too, the rest are never scored.
+    assert scores == [0.0] * 20 and summary["timeouts"] >= 3
+    assert summary["timeouts"] + summary["unscored"] == summary["failures"] == 20
+    assert elapsed < 5.0, elapsed  # 20 hangs one after another: 20 s
+
+
+def test_a_reward_that_allocates_too_much_fails_at_once():
+    from failing_rewards import allocate
+
+    with RewardPool(num_workers=1, timeout_s=30.0, memory_mb=1024) as pool:
+        start = time.monotonic()
+        scores, summary = pool.score(allocate, ["2048", "16"], [{}] * 2)
+        assert time.monotonic() - start < 10.0
+    assert scores == [0.0, 1.0] and summary["errors"] == summary["failures"] == 1
+    assert summary["first_error"].startswith("MemoryError")

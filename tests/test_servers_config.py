@@ -41,7 +41,7 @@ def test_devices_groups_and_num_servers_must_agree():
         rollout("devices='4;5;6;7'", "num_servers=3")
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size \(1\) must equal the GPUs of each server"):
         rollout("devices='4,5;6,7'", "num_servers=2", "tensor_parallel_size=1")
-    with pytest.raises(ConfigError, match="rollout.num_servers must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"rollout.num_servers must lie in \[1, 1024\], got 0"):
         rollout("num_servers=0")
 
 

@@ -67,7 +67,7 @@ def test_quickstart_val_never_overlaps_training_prompts():
      "eval.benchmarks: unknown benchmark 'quickstart_vol'; did you mean quickstart_val"),
     (["eval.every=2", "eval.benchmarks=quickstart_val", "eval.max_tokens=4", "eval.k=8"], "eval.k must lie in [1, eval.n=4]"),
     (["eval.max_tokens=128"], "eval.max_tokens must lie in [1, rollout.max_model_len=128)"),
-    (["eval.every=-1"], "eval.every must be >= 0"),
+    (["eval.every=-1"], "eval.every must lie in [0, 2**31 - 1], got -1"),
     (["eval.every=2", "eval.benchmarks=quickstart_val", "eval.max_tokens=4", "checkpoint.keep_best=val/quickstart_val/pass@2"],
      "checkpoint.keep_best 'val/quickstart_val/pass@2' is not a logged validation score; one of "
      "['val/quickstart_val/pass@1', 'val/quickstart_val/pass@4']"),

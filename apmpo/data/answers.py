@@ -2,10 +2,11 @@
 
 Extraction (ours, linear time, so a 1 MB completion costs milliseconds):
   1. the last `\\boxed{...}` or `\\fbox{...}` (nested braces; also `\\boxed 5`), together with the boxes just
-     before it that are joined to it by ",", "and" or "or" ("\\boxed{2} and \\boxed{3}", "$\\boxed{(1,2)}$,
-     $\\boxed{(2,1)}$"): several answers stated as the final one, read as the list "2, 3" and so compared as a set
-     with the gold, as math-verify's own extraction does (at most MAX_FINAL_BOXES). A box followed by more text is
-     not part of it;
+     before it that are joined to it by ",", "and" or "or", LaTeX spacing (`\\quad`, `\\,`, `~`), a `\\text{...}`
+     of only a joining phrase ("and", "for part (a) and") or math delimiters (`$`, `\\(`, `\\]`): "\\boxed{2} and
+     \\boxed{3}", "$\\boxed{(1,2)}$, $\\boxed{(2,1)}$", "\\boxed{2} \\quad \\text{or} \\quad \\boxed{3}". Several
+     answers stated as the final one, read as the list "2, 3" and so compared as a set with the gold, as
+     math-verify's own extraction does (at most MAX_FINAL_BOXES). A box followed by more text is not part of it;
   2. else the last `<answer>...</answer>` (Geometry3K's R1-style format);
   3. else the text after the last "answer is" / "final answer:" up to the end of its sentence.
 There is no "last number in the text" fall-back: in RL it would pay for unformatted guesses.
@@ -25,8 +26,15 @@ MAX_FINAL_BOXES = 6
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _BARE_ARGUMENT = re.compile(r"[^\s$]*")
-# What may stand between two boxes of one final answer (math-verify's ",", "and", "or"; "$" closes inline math).
-_BOX_SEPARATOR = re.compile(r"[\s$]*(?:,?\s*and|,?\s*or|,)[\s$]*")
+# What may stand between two boxes of one final answer: math-verify's ",", "and", "or", LaTeX spacing, or a \text{}
+# holding only a joining phrase, among whitespace and math delimiters. Whitespace or delimiters alone join nothing
+# (math-verify too reads "$\boxed{2}$ $\boxed{3}$" as 3).
+_JOIN = r"(?:,|and(?![A-Za-z])|or(?![A-Za-z]))"
+_PART = r"(?:for\s+)?part\s*\(?\w\)?"  # "for part (a) and": the boxes answer the parts in turn
+_FILLER = r"(?:\s|\$|\\[()\[\]])*"
+_BOX_SEPARATOR = re.compile(
+    rf"{_FILLER}(?:(?:{_JOIN}|\\q?quad(?![A-Za-z])|\\[,;:! ]|~"
+    rf"|\\text\s*\{{\s*(?:{_PART}\s*)?,?\s*{_JOIN}\s*(?:{_PART}\s*)?:?\s*\}}){_FILLER})+")
 _ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*", re.IGNORECASE)
 
 

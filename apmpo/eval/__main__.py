@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -157,15 +158,26 @@ def log(message: str) -> None:
     print(f"[apmpo.eval] {message}", file=sys.stderr, flush=True)
 
 
+def prepare_out(out: Path) -> None:
+    """--out exists and takes files, checked before anything else: an evaluation must not run for hours and then
+    fail to save."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise EvalError(f"--out {out}: cannot write there ({error.strerror or error})") from None
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     start = time.monotonic()
+    prepare_out(args.out)
     model = resolve_model(args.model)
     if args.reward is not None:
         check_reward(args.reward)
     benchmarks = resolve_benchmarks(args.benchmarks, limit=args.limit, task=args.task, fields=args.fields,
                                     db_root=args.db_root, split=args.split, system_prompt=args.system_prompt,
                                     reward=args.reward)
-    args.out.mkdir(parents=True, exist_ok=True)
     check_settings(args.out, {"model": model, "temperature": args.temperature, "top_p": args.top_p,
                               "top_k": args.top_k, "max_tokens": args.max_tokens, "system_prompt": args.system_prompt,
                               "seeding": seeding.EVAL_SCHEME, "reward": args.reward})

@@ -7,6 +7,7 @@ groups whose rewards are all equal and sample more prompts until the batch is fu
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -95,7 +96,9 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         times["generate"] += time.perf_counter() - tick
         tick = time.perf_counter()
         rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat],
-                                 deadline=time.monotonic() + cfg.reward_step_timeout_s - times["reward"])
+                                 deadline=time.monotonic() + cfg.reward_step_timeout_s - times["reward"],
+                                 # past this many, the check below stops the run whatever the other items score
+                                 max_failures=math.floor(MAX_FAILED_FRAC * (len(raw_rewards) + len(flat))) - failures)
         times["reward"] += time.perf_counter() - tick
         raw_rewards += rewards
         failures += summary["failures"]

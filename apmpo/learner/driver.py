@@ -70,7 +70,8 @@ class Driver(contextlib.ExitStack):
         self.vision, self.tokenizer = vision, tokenizer
         self.sampler = PromptSampler(len(samples), cfg.data.seed, **trainer_state.get("sampler", {}))
         # Rewards run in worker processes with a per-item time limit: a crash or a hang scores 0, is counted.
-        self.pool = self.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s))
+        self.pool = self.enter_context(RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s,
+                                                   cfg.rollout.reward_memory_mb))
         score = functools.partial(self.pool.score, get_reward(cfg.data.reward))
         # Held-out benchmarks through the same servers, as `python -m apmpo.eval` scores them.
         self.validation = Validation(cfg, tokenizer, self.model_path) if cfg.eval.every else None

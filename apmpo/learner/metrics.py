@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 from tqdm import tqdm
 
@@ -32,8 +33,12 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as error:
+            raise OSError(error.errno, f"writing step {step}'s metrics to {self.path} failed: "
+                          f"{os.strerror(error.errno) if error.errno else error}") from error
         if self.tensorboard is not None:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
@@ -52,10 +57,22 @@ class MetricsLogger:
             self.wandb.finish()
 
     def _drop_steps_after(self, step: int) -> None:
+        """Keep the records of steps up to `step`. A last line that does not parse was torn by a crash or a full
+        disk while it was written: it belongs to a step after the checkpoint, so it goes too."""
         if not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        lines = [line for line in self.path.read_text(errors="replace").splitlines() if line.strip()]
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                if number == len(lines):
+                    break
+                raise ValueError(f"{self.path}:{number} is not a JSON record ({error}); only the last line may "
+                                 "be torn") from None
+            if record.get("step", 0) <= step:
+                kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
 
 

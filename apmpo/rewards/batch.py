@@ -7,12 +7,19 @@
 
 Processes, not threads: sympy can run for minutes on one expression while holding the GIL, and
 only a process can be stopped. Each worker scores one item at a time; an item that runs past
-`timeout_s` gets its worker killed and replaced, so the items after it are still scored. An item
-whose reward raises, returns something other than a finite number (NaN, inf, a string, None), or whose
-worker dies, scores 0; so do the items left when a call runs past its `deadline`. `summary` counts them:
+`timeout_s` gets its worker killed and replaced, so the items after it are still scored. A worker whose item
+has run for STALL_S (or a quarter of its timeout) is left to it, and an extra worker (at most MAX_STALLED at a
+time) takes the next items: hung items then time out side by side, and a few hangs cost about one timeout, not one
+each. A worker's address space is capped at `memory_mb` (RLIMIT_AS): a reward that allocates too much fails at once (MemoryError) instead of
+swapping the machine. An item whose reward raises, returns something other than a finite number (NaN, inf, a
+string, None), or whose worker dies, scores 0; so do the items left when a call runs past its `deadline`.
+`summary` counts them:
 
     {"n": 64, "errors": 1, "timeouts": 0, "crashes": 0, "failures": 1, "first_error": "KeyError('answer')",
-     "seconds": 0.4}
+     "unscored": 0, "seconds": 0.4}
+
+With `max_failures`, a call stops as soon as more items than that have failed, since the caller's verdict (the
+batch is broken) can no longer change: the rest score 0 and count as "unscored" failures.
 
 The first failure of a pool is logged once (a warning), not once per item. Workers start from a
 forkserver, never by forking the caller, which may hold CUDA or DeepSpeed state, and without re-running
@@ -26,6 +33,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import struct
 import sys
 import time
 import types
@@ -45,15 +53,29 @@ IN_FLIGHT = 2
 # A waiting item is sent only if the pipe's buffer surely takes it at once (Linux: about 200 KiB): this process
 # must never block on a send to a worker stuck on its running item. Larger items wait for an idle worker.
 MAX_QUEUED_BYTES = 64 * 1024
+# A worker whose item has run this long (or a quarter of the item timeout, if less; its start-up not counted) takes no
+# more items, and an extra worker is started for them; extra workers beyond `num_workers` are at most MAX_STALLED,
+# and go when a call ends.
+STALL_S = 1.0
+MAX_STALLED = 16
+# A new worker's start-up and first imports may take this long beyond its first item's timeout (the forkserver's
+# own start imports the verifiers: 3 s on a busy machine); its item's clock starts once it is ready.
+STARTUP_S = 30.0
+MEMORY_MB = 4096  # a worker's address space (RLIMIT_AS); sympy's workers use a few hundred MiB
 
 
-def _worker_main(conn: Connection) -> None:
+def _worker_main(conn: Connection, memory_mb: int) -> None:
+    import resource  # noqa: PLC0415
+
+    limit = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from apmpo.rewards import get_reward  # noqa: PLC0415  (in the worker, after fork)
 
     resolved: dict = {}
+    ready = False
     while True:
         try:
-            task = conn.recv()
+            task = conn.recv()  # unpickling a reward function imports its module
         except EOFError:
             return
         reward, completion, sample = task
@@ -61,6 +83,9 @@ def _worker_main(conn: Connection) -> None:
             fn = resolved.get(reward) if isinstance(reward, str) else reward
             if fn is None:
                 fn = resolved[reward] = get_reward(reward)
+            if not ready:  # its start-up and imports (seconds on a busy machine) are not its first item's time
+                conn.send(("ready", None))
+                ready = True
             conn.send(("ok", _as_score(fn(completion, sample))))
         except Exception as e:  # noqa: BLE001  (any failure of a reward scores 0 and is reported)
             conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
@@ -68,12 +93,17 @@ def _worker_main(conn: Connection) -> None:
 
 def _as_score(value) -> float:
     """A reward's value as a score. NaN or inf would make the batch's mean, the advantages and the loss NaN
-    (training then silently stops learning), and a string or None is a bug of the reward: all are failures."""
+    (training then silently stops learning), and a string or None is a bug of the reward: all are failures. The
+    check is of the value as stored, float32: 1e300 is finite as a Python float and inf as a float32."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"the reward returned {type(value).__name__} {value!r:.50}, not a number")
     score = float(value)
-    if not math.isfinite(score):
-        raise ValueError(f"the reward returned {score}, not a finite number")
+    try:
+        stored = struct.unpack("f", struct.pack("f", score))[0]  # packing raises OverflowError past float32's range
+    except OverflowError:
+        stored = math.inf
+    if not math.isfinite(stored):
+        raise ValueError(f"the reward returned {score}, not a finite float32 number")
     return score
 
 
@@ -92,13 +122,15 @@ def _main_module_hidden():
 
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, memory_mb: int) -> None:
         self.conn, child_conn = _CONTEXT.Pipe()
-        self.process = _CONTEXT.Process(target=_worker_main, args=(child_conn,), daemon=True)
+        self.process = _CONTEXT.Process(target=_worker_main, args=(child_conn, memory_mb), daemon=True)
         with _main_module_hidden():
             self.process.start()
         child_conn.close()
         self.items: list[int] = []  # sent, not yet answered; the first is running, the rest wait in the pipe
+        self.ready = False  # started up: it said so
+        self.started = 0.0  # when the running item started
         self.deadline = 0.0  # of the running item
 
     def kill(self) -> None:
@@ -110,16 +142,18 @@ class _Worker:
 class RewardPool:
     """`num_workers` scoring processes, kept alive across calls to `score`."""
 
-    def __init__(self, num_workers: int | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, num_workers: int | None = None, timeout_s: float = 10.0, memory_mb: int | None = None) -> None:
         self.num_workers = num_workers or os.cpu_count() or 1
         self.timeout_s = timeout_s
-        self._workers = [_Worker() for _ in range(self.num_workers)]
+        self.memory_mb = memory_mb or MEMORY_MB
+        self.stall_s = min(STALL_S, timeout_s / 4)
+        self._workers = [_Worker(self.memory_mb) for _ in range(self.num_workers)]
         self._logged_failure = False
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
         index = self._workers.index(worker)
-        self._workers[index] = _Worker()
+        self._workers[index] = _Worker(self.memory_mb)
         return self._workers[index]
 
     def _record_failure(self, summary: dict, kind: str, message: str, count: int = 1) -> None:
@@ -131,11 +165,12 @@ class RewardPool:
             logger.warning("reward scoring failed (%s; later failures are only counted): %s", kind, message)
 
     def score(self, reward: Reward, completions: Sequence[str], samples: Sequence[dict],
-              deadline: float | None = None) -> tuple[list[float], dict]:
+              deadline: float | None = None, max_failures: int | None = None) -> tuple[list[float], dict]:
         """Scores of `completions` against `samples` with `reward` (a registry name or a picklable
         function); failed or timed-out items score 0 and are counted in the returned summary. At `deadline`
         (a time.monotonic() value), items still running are stopped and those not started are not: all of
-        them score 0 and count as timeouts."""
+        them score 0 and count as timeouts. Once more than `max_failures` items failed, the call stops: the
+        items not yet scored score 0 and count as "unscored" failures."""
         if len(completions) != len(samples):
             raise ValueError(f"{len(completions)} completions but {len(samples)} samples")
         if callable(reward) and getattr(reward, "__module__", None) == "__main__":
@@ -144,18 +179,26 @@ class RewardPool:
         start = time.monotonic()
         scores = [0.0] * len(completions)
         summary = {"n": len(completions), "errors": 0, "timeouts": 0, "crashes": 0, "first_error": None}
+        unscored = 0
         pending = collections.deque(range(len(completions)))
         busy: dict[Connection, _Worker] = {}
         encoded: dict[int, bytes] = {}  # pickled items that waited for an idle worker
 
-        def item_deadline() -> float:  # of the item a worker starts now
-            own = time.monotonic() + self.timeout_s
+        def item_deadline(worker: _Worker) -> float:  # of the item `worker` starts now
+            own = time.monotonic() + self.timeout_s + (0.0 if worker.ready else STARTUP_S)
             return own if deadline is None else min(own, deadline)
+
+        def failed() -> bool:
+            failures = summary["errors"] + summary["timeouts"] + summary["crashes"]
+            return max_failures is not None and failures > max_failures
+
+        def stalled(worker: _Worker, now: float) -> bool:
+            return worker.ready and bool(worker.items) and now - worker.started >= self.stall_s
 
         def dispatch(worker: _Worker) -> None:
             """One more item into `worker`'s pipe. A busy worker reads its next item while this process collects the
             last answer: with one item in flight it waited a round trip per item (128 cheap items: 27 -> 8 ms)."""
-            if not pending or (deadline is not None and time.monotonic() >= deadline):
+            if not pending or (deadline is not None and time.monotonic() >= deadline) or failed():
                 return
             index = pending[0]
             task = encoded.pop(index, None) or ForkingPickler.dumps((reward, completions[index], samples[index]))
@@ -173,7 +216,7 @@ class RewardPool:
                 worker = self._replace(worker)  # it died while idle (OOM killer): not this item's fault
                 worker.conn.send_bytes(task)
             if not worker.items:
-                worker.deadline = item_deadline()
+                worker.started, worker.deadline = time.monotonic(), item_deadline(worker)
             worker.items.append(index)
             busy[worker.conn] = worker
 
@@ -184,16 +227,25 @@ class RewardPool:
 
         def fill() -> None:
             """Workers with room, replacements included, take the next items, round robin: every worker gets an
-            item before any gets a second."""
+            item before any gets a second. Stalled workers take none; while items wait, extra workers stand in for
+            them (up to MAX_STALLED), so that a hung item holds up no other."""
+            now = time.monotonic()
+            num_stalled = sum(stalled(w, now) for w in self._workers)
+            while (pending and not failed() and len(self._workers) - num_stalled < self.num_workers
+                   and len(self._workers) < self.num_workers + MAX_STALLED):
+                self._workers.append(_Worker(self.memory_mb))
             for depth in range(IN_FLIGHT):
                 for worker in list(self._workers):
-                    if len(worker.items) == depth:
+                    if len(worker.items) == depth and not stalled(worker, now):
                         dispatch(worker)
 
         fill()
         while busy:
-            next_deadline = min(w.deadline for w in busy.values())
-            for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
+            now = time.monotonic()
+            stall_checks = [w.started + self.stall_s for w in busy.values()
+                            if pending and w.ready and not stalled(w, now)]
+            wake = min([w.deadline for w in busy.values()] + stall_checks)
+            for conn in wait(list(busy), timeout=max(0.0, wake - now)):
                 worker = busy[conn]
                 try:
                     status, value = conn.recv()
@@ -204,13 +256,17 @@ class RewardPool:
                     requeue(worker)
                     self._replace(worker)
                     continue
+                if status == "ready":  # its start-up and imports do not count against its first item
+                    worker.ready, worker.started = True, time.monotonic()
+                    worker.deadline = item_deadline(worker)
+                    continue
                 index = worker.items.pop(0)
                 if status == "ok":
                     scores[index] = value
                 else:
                     self._record_failure(summary, "errors", value)
                 if worker.items:
-                    worker.deadline = item_deadline()  # the next queued item starts now
+                    worker.started, worker.deadline = time.monotonic(), item_deadline(worker)  # the next one starts
                 else:
                     del busy[conn]
             now = time.monotonic()
@@ -223,12 +279,24 @@ class RewardPool:
                                          if late else f"item {index} ran past {self.timeout_s}s")
                     requeue(worker)
                     self._replace(worker)
+            if failed():  # the caller's verdict is in: stop the items still running
+                for conn, worker in list(busy.items()):
+                    del busy[conn]
+                    unscored += len(worker.items)
+                    worker.items.clear()
+                    self._replace(worker)
             fill()
-        unstarted = len(pending)  # left at the deadline
-        if unstarted:
+        unstarted = len(pending)  # left at the deadline, or after enough failures
+        if unstarted and failed():
+            unscored += unstarted
+        elif unstarted:
             self._record_failure(summary, "timeouts", f"{unstarted} item(s) not started by the call's deadline",
                                  unstarted)
-        summary["failures"] = summary["errors"] + summary["timeouts"] + summary["crashes"]
+        for extra in self._workers[self.num_workers:]:  # all idle now
+            extra.kill()
+        del self._workers[self.num_workers:]
+        summary["unscored"] = unscored
+        summary["failures"] = summary["errors"] + summary["timeouts"] + summary["crashes"] + unscored
         summary["seconds"] = round(time.monotonic() - start, 3)
         return scores, summary
 
