@@ -12,7 +12,6 @@ unreachable raises `ServerUnavailable` naming its URL.
 from __future__ import annotations
 
 import base64
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from urllib.parse import urlparse
 import requests
 import torch
 
-from apmpo.rollout.net import is_loopback
+from apmpo.rollout.net import is_loopback, local_address_towards
 from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Transport, WeightGroup, holds_in_place, pack_in_place,
                                        plan_buckets, select_transport, send_buckets)
 
@@ -183,7 +182,7 @@ class GenerationClient:
     def _join_group(self, device: torch.device, info: dict[str, Any], nbytes: int) -> WeightGroup:
         server_host = urlparse(self.url).hostname or "127.0.0.1"
         transport = self.transport or select_transport(device, info["device_uuids"], is_loopback(server_host), nbytes)
-        host = self.sync_host or _local_address_towards(server_host)
+        host = self.sync_host or local_address_towards(server_host)
         world_size = 1 + info["num_workers"]
         store = WeightGroup.create_master(transport, host, world_size, self.sync_timeout_s)
         body = {"transport": transport, "host": host, "port": store.port, "world_size": world_size,
@@ -223,11 +222,3 @@ class GenerationClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _local_address_towards(server_host: str) -> str:
-    """The address of this machine that the server can reach back (no packet is sent: UDP connect)."""
-    if is_loopback(server_host):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((server_host, 9))
-        return probe.getsockname()[0]

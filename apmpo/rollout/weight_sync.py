@@ -30,12 +30,12 @@ import pickle
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Literal
+from typing import Iterable, Iterator, Literal, Mapping
 
 import torch
 import torch.distributed as dist
 
-from apmpo.rollout.net import is_loopback
+from apmpo.rollout.net import local_address_towards
 
 logger = logging.getLogger("vllm.apmpo")  # a child of vLLM's logger: the worker prints it without setup
 Transport = Literal["gloo", "shm", "nccl", "cuda_ipc"]
@@ -144,8 +144,7 @@ class WeightGroup:
         self.store = store or dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        # Loopback must be named explicitly: gloo's default device resolves the hostname, which may not route.
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host if is_loopback(host) else "")]
+        options._devices = [dist.ProcessGroupGloo.create_device(**device) for device in gloo_devices(rank, host)]
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, options)
         self.segment: torch.Tensor | None = None  # shm: the mapped file the buckets are packed into
         self.segment_path = ""
@@ -218,6 +217,18 @@ class WeightGroup:
         for group in (self.nccl, self.gloo):
             if group is not None and hasattr(group, "shutdown"):
                 group.shutdown()
+
+
+def gloo_devices(rank: int, learner_host: str, env: Mapping[str, str] = os.environ) -> list[dict[str, str]]:
+    """Where this rank's gloo group listens, as `ProcessGroupGloo.create_device` arguments. Each side names its own
+    address: gloo's default device resolves the machine's hostname, which may not route to the other side (or
+    resolve at all), and torch refuses an empty one. The learner (rank 0) binds the address it gave the workers,
+    `learner_host`; a worker binds its own address towards it. GLOO_SOCKET_IFNAME, when set, names the
+    interfaces instead, as it does for torch's own gloo groups (init_process_group)."""
+    interfaces = env.get("GLOO_SOCKET_IFNAME", "")
+    if interfaces:
+        return [{"interface": name.strip()} for name in interfaces.split(",")]
+    return [{"hostname": learner_host if rank == 0 else local_address_towards(learner_host)}]
 
 
 def wait_done(work: dist.Work, device: torch.device, timeout_s: float, poll_s: float = 1e-3) -> None:
