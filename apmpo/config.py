@@ -35,7 +35,10 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "Qwen/Qwen2.5-Math-1.5B-Instruct"  # HF hub id or local directory; "quickstart": the CPU quickstart's
     dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
-    gradient_checkpointing: bool = False
+    # Recompute activations in the backward. None: on when the learner runs on a GPU, where the default
+    # micro_batch_tokens (16384) of a 1.5B model does not fit in 80 GB without it; off on CPU (small models, where
+    # the recomputation is only time).
+    gradient_checkpointing: bool | None = None
     # Vision-language models: freeze the vision encoder, train the merger (projector) and the language model.
     # Default on: RL rewards judge the text, a few thousand diagrams are too few to retrain a 670M-parameter
     # encoder, and freezing drops its gradients and Adam state (~8 GB at 3B scale).
@@ -69,7 +72,9 @@ class RolloutConfig:
     # CUDA_VISIBLE_DEVICES of the servers it starts, one group per server separated by ";": "3" (one server on
     # GPU 3), "4;5;6;7" (four one-GPU servers), "4,5;6,7" (two servers with TP 2). None: CPU or shared GPU
     devices: str | None = None
-    gpu_memory_utilization: float = 0.5
+    # vLLM's share of each server GPU's memory. None: 0.9 on GPUs of its own, 0.5 on the GPU it shares with the
+    # learner (apmpo.rollout.launcher.gpu_memory_utilization).
+    gpu_memory_utilization: float | None = None
     tensor_parallel_size: int | None = None  # per server; None: the size of its device group (1 without devices)
     max_model_len: int = 4096
     # No torch.compile (nor CUDA graphs on GPU) in the servers it starts: a faster start, slower generation. On CPU
@@ -77,6 +82,9 @@ class RolloutConfig:
     enforce_eager: bool = False
     weight_sync: Literal["auto", Transport] = "auto"  # auto: apmpo.rollout.weight_sync.select_transport
     bucket_mb: int = 256  # weight-sync bucket size
+    # How long either side of a weight sync waits for the other: the workers' join of the group (made before any
+    # generation) and each transfer.
+    sync_timeout_s: float = 600.0
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups, sample more until the batch is full
     max_sampling_rounds: int = 4  # cap on dynamic-sampling rounds per step
     overlong_buffer: int = 0  # DAPO overlong shaping: penalise the last N tokens before max_tokens (0: off)
@@ -118,6 +126,9 @@ class TrainConfig:
     # which corrects the gap between the engine's (older) policy and the learner's.
     max_staleness: int = 0
     zero_stage: int = 2
+    # dtype of ZeRO's gradient reduce-scatter (DeepSpeed's communication_data_type). None: the model's (bf16 on
+    # GPU); "fp32" reduces in fp32, twice the bytes on the wire (its cost: scripts/gpu_check.py, learner_fp32_comm).
+    communication_data_type: Literal["fp32", "bf16"] | None = None
     seed: int = 0
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path
 
@@ -212,10 +223,13 @@ class Config:
                     "train.dist_timeout_s": t.dist_timeout_s, "optim.lr": self.optim.lr,
                     "train.max_skipped_in_a_row": t.max_skipped_in_a_row,
                     "rollout.reward_step_timeout_s": r.reward_step_timeout_s,
-                    "rollout.reward_timeout_s": r.reward_timeout_s}
+                    "rollout.reward_timeout_s": r.reward_timeout_s, "rollout.sync_timeout_s": r.sync_timeout_s}
         for key, value in positive.items():
             if not value > 0:  # NaN too
                 raise ConfigError(f"{key} must be > 0, got {value}")
+        if r.gpu_memory_utilization is not None and not 0 < r.gpu_memory_utilization <= 1:
+            raise ConfigError(f"rollout.gpu_memory_utilization must lie in (0, 1] (or null: automatic), "
+                              f"got {r.gpu_memory_utilization}")
         if r.prompts_per_step % t.mini_batch_size:
             raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
                               f"train.mini_batch_size ({t.mini_batch_size})")

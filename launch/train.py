@@ -47,7 +47,7 @@ from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
 from apmpo.loss import AdaptiveParams, adaptive_params, policy_loss
 from apmpo.rewards import RewardPool, get_reward
-from apmpo.rollout.launcher import serve
+from apmpo.rollout.launcher import gpu_memory_utilization, serve
 
 
 def main(cfg: Config, resume: str) -> None:
@@ -62,13 +62,15 @@ def main(cfg: Config, resume: str) -> None:
             # Its engine loads while the learner imports DeepSpeed and loads (wait_ready below), unless it shares
             # rank 0's GPU: vLLM sizes its KV cache from the free memory it measures while it loads. One server
             # (a GenerationClient), or several (a ServerPool: prompts spread over them, weights to all).
+            shares_gpu = check_devices(cfg)
             server = stack.enter_context(serve(
                 model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
                 log_path=run_dir / "server.log", devices=r.devices,
-                num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
+                num_servers=r.num_servers, gpu_memory_utilization=gpu_memory_utilization(r.gpu_memory_utilization,
+                                                                                          shares_gpu),
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
                 extra_args=("--enforce-eager",) if r.enforce_eager else (),
-                dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=check_devices(cfg),
+                dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=shares_gpu,
                 learner_idle=cfg.train.max_staleness == 0))
         dist = init_distributed(cfg.train.dist_timeout_s, generates_meanwhile=cfg.train.max_staleness > 0)
         torch_dist.barrier()  # rank 0 has written the model (model.path quickstart)
@@ -99,7 +101,10 @@ def main(cfg: Config, resume: str) -> None:
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
             server.wait_ready()
             client = stack.enter_context(server.client(transport=None if r.weight_sync == "auto" else r.weight_sync,
-                                                       bucket_bytes=r.bucket_mb << 20))
+                                                       bucket_bytes=r.bucket_mb << 20, sync_timeout_s=r.sync_timeout_s))
+            # Now, while no generation holds the engines: a join behind a batch's generation would outlast the
+            # deadline (minutes of 512 x 8 samples on GPU) with max_staleness >= 1.
+            client.join_weight_group(engine.module.named_parameters())
             policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
             if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
                 policy_version = client.push_weights(engine.module.named_parameters())

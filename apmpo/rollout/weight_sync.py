@@ -359,9 +359,10 @@ class WeightReceiverExtension:
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if torch.cuda.is_available() else ""
 
     def apmpo_init_weight_group(self, transport: Transport, host: str, port: int, world_size: int,
-                                timeout_s: float) -> None:
+                                timeout_s: float, first_rank: int = 1) -> None:
+        """Joins as rank `first_rank` + this worker's rank (a group shared by several servers numbers them on)."""
         self.apmpo_close_weight_group()
-        self._apmpo_group = WeightGroup(transport, host, port, 1 + self.rank, world_size, timeout_s)
+        self._apmpo_group = WeightGroup(transport, host, port, first_rank + self.rank, world_size, timeout_s)
 
     def apmpo_close_weight_group(self) -> None:
         group = getattr(self, "_apmpo_group", None)
