@@ -113,6 +113,7 @@ def set_process_env(on_gpu: bool | None = None) -> None:
 
 set_process_env()
 
+from apmpo.data.vision import NEVER_SAMPLE_BIAS  # noqa: E402
 from apmpo.rollout import no_torchvision  # noqa: E402
 
 no_torchvision.install()  # before vLLM imports its Qwen2-VL module; a no-op where torchvision exists
@@ -284,12 +285,10 @@ def engine_info(llm: vllm.LLM) -> dict[str, Any]:
 
 
 def placeholder_token_ids(llm: vllm.LLM) -> list[int]:
-    """A vision-language model's image and video placeholder tokens. A policy can sample one (a random one
-    often does; trained ones have: verl#3469, EasyR1#110), and then the learner's forward finds one more image
-    pad than the images have features for and fails. The server never samples them."""
-    config = llm.llm_engine.model_config.hf_config
-    names = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
-    return sorted({value for value in (getattr(config, name, None) for name in names) if isinstance(value, int)})
+    """The tokens the server never samples (apmpo.data.vision.placeholder_token_ids of the engine's HF config)."""
+    from apmpo.data.vision import placeholder_token_ids
+
+    return placeholder_token_ids(llm.llm_engine.model_config.hf_config)
 
 
 def sampling_params(
@@ -301,8 +300,9 @@ def sampling_params(
         stop_token_ids=stop_token_ids,
         logprobs=0,  # 0 = only the sampled token's log-prob
         flat_logprobs=True,  # a few lists per sample, not a dict and an object per token
-        # vLLM's strongest bias; applied before the processed log-probs, which so stay the sampler's own.
-        logit_bias={token: -100.0 for token in never_sample} or None,
+        # Applied before the temperature and the processed log-probs, which so stay the sampler's own (the
+        # learner adds the same bias: apmpo.learner.logprobs).
+        logit_bias={token: NEVER_SAMPLE_BIAS for token in never_sample} or None,
     )
 
 
