@@ -257,6 +257,10 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.
     if not buckets:
         return
     device = tensors[0].device
+    if group.transport == "cuda_ipc":
+        # The engine shares this GPU, and its reload allocates a copy of each bucket and of each layer, while our
+        # caching allocator still holds the training step's freed blocks: give them back first.
+        torch.cuda.empty_cache()
     if group.transport == "shm":  # every bucket has its own place, so none is overwritten before it is loaded
         segment = group.share_segment(sum(b.nbytes for b in buckets))
         buffers = [segment[offset:] for offset in bucket_offsets(buckets)]
