@@ -223,11 +223,16 @@ def _require_deepspeed() -> None:
         raise CheckFailed(DEEPSPEED_MISSING.format(error=error, download=download, python=sys.executable)) from None
 
 
-def download_command(distributions: list[str]) -> str:
-    """pip, on a machine with the internet, fetching wheels for this machine's Python and platform."""
+# Modules whose distribution has another name (pip download yaml finds nothing).
+DISTRIBUTION_OF = {"yaml": "pyyaml", "math_verify": "math-verify", "PIL": "pillow"}
+
+
+def download_command(modules: list[str]) -> str:
+    """pip, on a machine with the internet, fetching wheels of these modules for this machine's Python and platform
+    (bash scripts/gpu_wheels.sh fetches all that the checks need at once)."""
     return (f".venv/bin/python -m pip download -d wheels/ --only-binary=:all: --python-version "
             f"{sys.version_info.major}.{sys.version_info.minor} --platform manylinux2014_{platform.machine()} "
-            f"{' '.join(distributions)}")
+            f"{' '.join(DISTRIBUTION_OF.get(module, module) for module in modules)}")
 
 
 def _installed(distribution: str) -> bool:
@@ -668,8 +673,9 @@ def run_checks(s: Shapes, names: list[str], dry_run: bool) -> dict[str, dict]:
         except ModuleNotFoundError as error:  # a package the GPU box lacks: it cannot fetch one, so say how to carry it
             traceback.print_exc()
             results[name] = {"status": "fail", "reason": (
-                f"{error}. Carry it as a wheel: where pip has the internet, {download_command([error.name])}; "
-                f"here, {sys.executable} -m pip install --no-index --find-links wheels/ {error.name}")}
+                f"{error}. Carry it as a wheel: where pip has the internet, {download_command([error.name])} "
+                f"(or bash scripts/gpu_wheels.sh, everything the checks need); here, {sys.executable} -m pip install "
+                f"--no-index --find-links wheels/ {DISTRIBUTION_OF.get(error.name, error.name)}")}
         except Exception as error:  # noqa: BLE001  (one check's crash, an OOM say, must not stop the others)
             traceback.print_exc()
             results[name] = {"status": "fail", "reason": f"{type(error).__name__}: {error}"[:2000]}

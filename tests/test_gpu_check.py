@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 from importlib.metadata import requires
+
+from packaging.utils import canonicalize_name
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,47 @@ def test_the_deepspeed_requirements_listed_are_those_of_the_installed_deepspeed(
     """The GPU box is told which of these it lacks; they must not drift from DeepSpeed's own list."""
     needs = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requires("deepspeed") if "extra ==" not in r}
     assert needs == set(gpu_check.DEEPSPEED_REQUIRES)
+
+
+def test_a_missing_module_is_fetched_under_its_distributions_name():
+    assert gpu_check.download_command(["yaml", "math_verify", "einops"]).endswith(" pyyaml math-verify einops")
+
+
+def test_the_wheel_folder_holds_what_the_checks_import():
+    """scripts/gpu_wheels.sh fetches scripts/gpu_wheels.txt's distributions and all they require. Every
+    distribution that the code the checks load imports (at module level or in a function) must be among them or
+    be the GPU machine's torch, but for the few named below, which the checks never reach. No download here."""
+    probe = """
+import ast, json, sys, importlib.util
+from importlib.metadata import packages_distributions
+from pathlib import Path
+root = Path.cwd()
+spec = importlib.util.spec_from_file_location("gpu_check", "scripts/gpu_check.py")
+g = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(g)
+g._train_module()
+import benchmarks.loss_overhead, apmpo.learner.logprobs, apmpo.rollout.weight_sync  # what the checks import inside
+files = {Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+roots = set()
+for f in (f for f in files if f.is_relative_to(root) and f.is_file()):
+    for node in ast.walk(ast.parse(f.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+dists = packages_distributions()
+print(json.dumps(sorted({d for r in roots for d in dists.get(r, [])})))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = {canonicalize_name(name) for name in json.loads(done.stdout.splitlines()[-1])}
+    wheels_spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "scripts" / "gpu_wheels.py")
+    gpu_wheels = importlib.util.module_from_spec(wheels_spec)
+    wheels_spec.loader.exec_module(gpu_wheels)
+    carried = set(gpu_wheels.pins("3.12"))
+    never_reached = {"apmpo": "this clone, on PYTHONPATH", "datasets": "hub datasets (apmpo.data), not loaded",
+                     "pyarrow": "through datasets", "wandb": "an optional logger (apmpo.learner.metrics)"}
+    assert imported - carried - {"torch"} - set(never_reached) == set()
+    assert {"deepspeed", "transformers", "pyyaml", "math-verify", "requests", "hjson", "py-cpuinfo"} <= carried
+    assert "torch" not in carried and "sympy" not in carried  # the machine's torch and its requirements
