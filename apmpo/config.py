@@ -99,7 +99,10 @@ class ModelConfig:
     # HF hub id or local directory; "quickstart": the CPU quickstart's
     path: str = path_field("Qwen/Qwen2.5-Math-1.5B-Instruct")
     dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
-    gradient_checkpointing: bool = False
+    # Recompute activations in the backward. None: on when the learner runs on a GPU, where the default
+    # micro_batch_tokens (16384) of a 1.5B model does not fit in 80 GB without it; off on CPU (small models, where
+    # the recomputation is only time).
+    gradient_checkpointing: bool | None = None
     # Vision-language models: freeze the vision encoder, train the merger (projector) and the language model.
     # Default on: RL rewards judge the text, a few thousand diagrams are too few to retrain a 670M-parameter
     # encoder, and freezing drops its gradients and Adam state (~8 GB at 3B scale).
@@ -141,7 +144,9 @@ class RolloutConfig:
     # CUDA_VISIBLE_DEVICES of the servers it starts, one group per server separated by ";": "3" (one server on
     # GPU 3), "4;5;6;7" (four one-GPU servers), "4,5;6,7" (two servers with TP 2). None: CPU or shared GPU
     devices: str | None = None
-    gpu_memory_utilization: float = ranged(0.5, "(0, 1]")
+    # vLLM's share of each server GPU's memory. None: 0.9 on GPUs of its own, 0.5 on the GPU it shares with the
+    # learner (apmpo.rollout.launcher.gpu_memory_utilization).
+    gpu_memory_utilization: float | None = ranged(None, "(0, 1]")
     # per server; None: the size of its device group (1 without devices)
     tensor_parallel_size: int | None = ranged(None, "[1, 1024]")
     max_model_len: int = ranged(4096, "[2, 2**24]")  # <= the model's max_position_embeddings
@@ -150,6 +155,9 @@ class RolloutConfig:
     enforce_eager: bool = False
     weight_sync: Literal["auto", Transport] = "auto"  # auto: apmpo.rollout.weight_sync.select_transport
     bucket_mb: int = ranged(256, "[1, 2**16]")  # weight-sync bucket size
+    # How long either side of a weight sync waits for the other: the workers' join of the group (made before any
+    # generation) and each transfer.
+    sync_timeout_s: float = ranged(600.0, "(0, 86400]")
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups, sample more until the batch is full
     max_sampling_rounds: int = ranged(4, "[1, 2**8]")  # cap on dynamic-sampling rounds per step
     # DAPO overlong shaping: penalise the last N tokens before max_tokens (0: off)
@@ -200,6 +208,9 @@ class TrainConfig:
     # which corrects the gap between the engine's (older) policy and the learner's.
     max_staleness: int = ranged(0, "[0, 1024]")
     zero_stage: int = ranged(2, "[0, 2]")
+    # dtype of ZeRO's gradient reduce-scatter (DeepSpeed's communication_data_type). None: the model's (bf16 on
+    # GPU); "fp32" reduces in fp32, twice the bytes on the wire (its cost: scripts/gpu_check.py, learner_fp32_comm).
+    communication_data_type: Literal["fp32", "bf16"] | None = None
     seed: int = ranged(0, "[0, 2**31 - 1]")  # and within apmpo.seeding's layout
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path
 

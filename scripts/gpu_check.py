@@ -23,6 +23,13 @@ Covered (nothing here needs vLLM, which the GPU box we borrow cannot carry):
 - transport: weights sent with apmpo.rollout.weight_sync over CUDA IPC to a second process on the same GPU and
   received by the engine's receiving code (`receive_buckets`), checked bit for bit; bytes/s against a raw
   device-to-device copy of the same bytes. (--dry-run: shm, or gloo where /dev/shm is small.)
+- learner_fp32_comm: learner_gc with train.communication_data_type fp32 (ZeRO's reduce-scatter in fp32); on one
+  GPU the figure is the casts' cost only, a multi-GPU run also sends twice the bytes.
+- zero2_grads: ZeRO-2 gradients on one rank (DeepSpeed's fp32 partition, read with safe_get_full_grad) equal a
+  plain torch backward of the same loss over two micro-batches: the learner's forwards call `engine.module` and
+  rely on `engine.backward` to reduce at the boundary, which a DeepSpeed upgrade could break.
+- transport also reports, on the GPU, the learner's reserved memory before a push (8 GiB of freed activations
+  left cached) and its peak during it: send_buckets empties the cache before a CUDA IPC push.
 - no_vllm: nothing the check imported pulled in vllm or apmpo.rollout.vllm_compat.
 Not covered: anything of vLLM's (generation, the in-place reload of pushed weights, NCCL to a server).
 """
@@ -216,11 +223,16 @@ def _require_deepspeed() -> None:
         raise CheckFailed(DEEPSPEED_MISSING.format(error=error, download=download, python=sys.executable)) from None
 
 
-def download_command(distributions: list[str]) -> str:
-    """pip, on a machine with the internet, fetching wheels for this machine's Python and platform."""
+# Modules whose distribution has another name (pip download yaml finds nothing).
+DISTRIBUTION_OF = {"yaml": "pyyaml", "math_verify": "math-verify", "PIL": "pillow"}
+
+
+def download_command(modules: list[str]) -> str:
+    """pip, on a machine with the internet, fetching wheels of these modules for this machine's Python and platform
+    (bash scripts/gpu_wheels.sh fetches all that the checks need at once)."""
     return (f".venv/bin/python -m pip download -d wheels/ --only-binary=:all: --python-version "
             f"{sys.version_info.major}.{sys.version_info.minor} --platform manylinux2014_{platform.machine()} "
-            f"{' '.join(distributions)}")
+            f"{' '.join(DISTRIBUTION_OF.get(module, module) for module in modules)}")
 
 
 def _installed(distribution: str) -> bool:
@@ -233,8 +245,10 @@ def _installed(distribution: str) -> bool:
         return False
 
 
-def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
-    """Steps 6-7 of a training step (launch/train.py's `train_on_batch`) on a random Qwen2.5-1.5B-shaped model."""
+def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_type: str | None = None) -> Outcome:
+    """Steps 6-7 of a training step (launch/train.py's `train_on_batch`) on a random Qwen2.5-1.5B-shaped model.
+    `communication_data_type` (train.communication_data_type): fp32 reduce-scatters the gradients in fp32. On one
+    rank nothing crosses a wire: its figure is the cost of the casts, and a multi-GPU run adds twice the bytes."""
     _require_deepspeed()
     from apmpo.config import Config, ModelConfig, RolloutConfig, TrainConfig
     from apmpo.learner.batching import Rollout
@@ -250,7 +264,8 @@ def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
     micro_batch_tokens = s.micro_batch_tokens if gradient_checkpointing else s.micro_batch_tokens // 4
     cfg = Config(model=ModelConfig(path=model_dir, dtype=dtype, gradient_checkpointing=gradient_checkpointing),
                  rollout=RolloutConfig(prompts_per_step=s.prompts, group_size=s.group_size),
-                 train=TrainConfig(mini_batch_size=s.prompts, micro_batch_tokens=micro_batch_tokens))
+                 train=TrainConfig(mini_batch_size=s.prompts, micro_batch_tokens=micro_batch_tokens,
+                                   communication_data_type=communication_data_type))
     g = torch.Generator().manual_seed(0)
     rewards = (torch.rand(s.prompts, s.group_size, generator=g) > 0.5).float()
     advantages = group_advantages(rewards).flatten().tolist()
@@ -283,6 +298,7 @@ def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
         peak = memory.peak()
         num_params = sum(p.numel() for p in engine.module.parameters())
         checkpointing = engine.module.is_gradient_checkpointing  # what load_model made of the setting
+        engine_comm_dtype = engine.communication_data_type  # what DeepSpeed made of train.communication_data_type
     finally:
         if hasattr(engine, "destroy"):
             engine.destroy()
@@ -308,6 +324,7 @@ def check_learner(s: Shapes, gradient_checkpointing: bool) -> Outcome:
         "grad_norm": metrics["optim/grad_norm"], "reference_model": models == 2,
         "gradient_checkpointing": checkpointing, "peak_tflops": peak_flops_per_s / 1e12,
         "micro_batch_tokens": micro_batch_tokens,
+        "communication_data_type": str(engine_comm_dtype).removeprefix("torch."),
     }
     return Outcome(figures, f"{tokens / update:,.0f} tokens/s in the update, MFU {figures['mfu']:.1%} "
                             f"({figures['mfu_with_attention']:.1%} with attention), peak memory {peak / GiB:.1f} GiB, "
@@ -480,6 +497,9 @@ def _receive_weights(transport: str, port: int, buckets: list, device: str, roun
         group.close()
 
 
+_TRAINING_CACHE_BYTES = 8 * GiB
+
+
 def check_transport(s: Shapes) -> Outcome:
     """The learner's weights (Qwen2.5-1.5B's tensors in the learner's dtype) over CUDA IPC into a second process."""
     from apmpo.rollout.weight_sync import WeightGroup, plan_buckets, select_transport, send_buckets
@@ -490,6 +510,11 @@ def check_transport(s: Shapes) -> Outcome:
     transport = "cuda_ipc" if s.device == "cuda" else select_transport(torch.device("cpu"), [], True, nbytes)
     tensors = list(payload(buckets, s.device, seed=0))
     rounds = 1 + s.repeats  # round 0 checks the bytes and warms up
+    if s.device == "cuda":  # a training step's freed activations, still cached by the allocator when the push comes
+        cached = torch.empty(_TRAINING_CACHE_BYTES, dtype=torch.uint8, device="cuda")
+        del cached
+        reserved_before = torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
     store = WeightGroup.create_master(transport, "127.0.0.1", 2, timeout_s=120)
     receiver = multiprocessing.get_context("spawn").Process(
         target=_receive_weights, args=(transport, store.port, buckets, s.device, rounds, 0), daemon=True)
@@ -513,6 +538,12 @@ def check_transport(s: Shapes) -> Outcome:
             receiver.kill()
     if receiver.exitcode != 0:
         raise CheckFailed(f"the receiving process exited with {receiver.exitcode} (its traceback is above)")
+    # On the shared GPU (cuda_ipc) send_buckets returns the cached blocks first: the learner's peak during the push
+    # is its live tensors and one bucket, not what the training step had reserved.
+    memory = {} if s.device != "cuda" else {
+        "learner_reserved_before_push_gib": reserved_before / GiB,
+        "learner_peak_reserved_in_push_gib": torch.cuda.max_memory_reserved() / GiB,
+        "learner_weights_gib": nbytes / GiB}
     del tensors
     source = torch.empty(nbytes, dtype=torch.uint8, device=s.device).fill_(7)
     target = torch.empty_like(source)
@@ -520,9 +551,65 @@ def check_transport(s: Shapes) -> Outcome:
     sent = statistics.median(times[1:])
     figures = {"transport": transport, "bytes": nbytes, "buckets": len(buckets), "bucket_bytes": s.bucket_bytes,
                "seconds": sent, "bytes_per_s": nbytes / sent, "raw_copy_bytes_per_s": nbytes / raw,
-               "ratio_to_raw_copy": raw / sent}
+               "ratio_to_raw_copy": raw / sent, **memory}
     return Outcome(figures, f"{transport} {nbytes / sent / GiB:.2f} GiB/s, raw copy {nbytes / raw / GiB:.2f} GiB/s: "
                             f"{raw / sent:.0%} ({nbytes / GiB:.2f} GiB in {len(buckets)} buckets, bytes identical)")
+
+
+def check_zero2_grads(s: Shapes) -> Outcome:
+    """ZeRO-2 gradients on one rank equal a plain torch backward of the same loss. The learner runs its forwards
+    through `engine.module`, which skips DeepSpeed's forward bookkeeping, and relies on `engine.backward`'s
+    epilogue (DeepSpeed 0.19.8) to reduce the gradients at the accumulation boundary: a DeepSpeed upgrade that
+    changes this fails here. Two micro-batches, the boundary on the second, in fp32 so that the two agree to
+    summation order."""
+    _require_deepspeed()
+    import copy
+
+    from deepspeed.utils import safe_get_full_grad
+
+    from apmpo.config import Config, ModelConfig
+    from apmpo.learner.engine import build_engine, init_distributed, load_model
+    from apmpo.learner.logprobs import token_logprobs
+
+    dist = init_distributed()
+    model_dir = _random_model_dir(DRY_RUN)  # a small model: this checks the gradients' path, not speed
+    cfg = Config(model=ModelConfig(path=model_dir, dtype="fp32", gradient_checkpointing=False))
+    model = load_model(model_dir, cfg, dist.device)
+    plain = copy.deepcopy(model)
+    engine = build_engine(model, cfg, dist)
+    g = torch.Generator().manual_seed(1)
+    vocab = DRY_RUN.model["vocab_size"]
+    micro_batches = []
+    for rows, length in ((3, 40), (2, 56)):
+        ids = torch.randint(vocab, (rows, length), generator=g).to(dist.device)
+        scored = torch.zeros_like(ids, dtype=torch.bool)
+        scored[:, length // 2:] = True
+        micro_batches.append((ids, torch.ones_like(ids), scored, torch.randn(rows, 1, generator=g).to(dist.device)))
+
+    def loss(module, ids, mask, scored, advantage):  # the policy-gradient shape: -(A * logp) over scored tokens
+        logp, _ = token_logprobs(module, ids, mask, scored, chunk_tokens=32)
+        return -(advantage * logp).sum() / 100.0
+
+    try:
+        for k, batch in enumerate(micro_batches):
+            engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
+            engine.backward(loss(engine.module, *batch))
+            loss(plain, *batch).backward()
+        worst, names = 0.0, 0
+        for (name, p), (_, q) in zip(engine.module.named_parameters(), plain.named_parameters(), strict=True):
+            got = safe_get_full_grad(p)
+            if got is None:
+                raise CheckFailed(f"DeepSpeed holds no gradient for {name} after the accumulation boundary")
+            scale = q.grad.abs().max().item() or 1.0
+            worst = max(worst, (got.float() - q.grad.float()).abs().max().item() / scale)
+            names += 1
+    finally:
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+    if not worst <= 1e-4:
+        raise CheckFailed(f"ZeRO-2 gradients differ from torch's by up to {worst:.3g} of each tensor's largest")
+    return Outcome({"tensors": names, "max_relative_diff": worst},
+                   f"{names} gradients equal torch's within {worst:.1e} (relative to each tensor's largest)")
 
 
 def check_no_vllm(s: Shapes) -> Outcome:
@@ -540,6 +627,8 @@ CHECKS: dict[str, Callable[[Shapes], Outcome]] = {
     "transport": check_transport,
     "learner_gc": lambda s: check_learner(s, gradient_checkpointing=True),
     "learner_no_gc": lambda s: check_learner(s, gradient_checkpointing=False),
+    "learner_fp32_comm": lambda s: check_learner(s, gradient_checkpointing=True, communication_data_type="fp32"),
+    "zero2_grads": check_zero2_grads,
     "no_vllm": check_no_vllm,  # last: it looks at what the others imported
 }
 
@@ -584,8 +673,9 @@ def run_checks(s: Shapes, names: list[str], dry_run: bool) -> dict[str, dict]:
         except ModuleNotFoundError as error:  # a package the GPU box lacks: it cannot fetch one, so say how to carry it
             traceback.print_exc()
             results[name] = {"status": "fail", "reason": (
-                f"{error}. Carry it as a wheel: where pip has the internet, {download_command([error.name])}; "
-                f"here, {sys.executable} -m pip install --no-index --find-links wheels/ {error.name}")}
+                f"{error}. Carry it as a wheel: where pip has the internet, {download_command([error.name])} "
+                f"(or bash scripts/gpu_wheels.sh, everything the checks need); here, {sys.executable} -m pip install "
+                f"--no-index --find-links wheels/ {DISTRIBUTION_OF.get(error.name, error.name)}")}
         except Exception as error:  # noqa: BLE001  (one check's crash, an OOM say, must not stop the others)
             traceback.print_exc()
             results[name] = {"status": "fail", "reason": f"{type(error).__name__}: {error}"[:2000]}

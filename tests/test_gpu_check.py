@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 from importlib.metadata import requires
+
+from packaging.utils import canonicalize_name
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,9 @@ FIGURES = {  # per check, the figures the issue asks for: each must be a positiv
     "learner_no_gc": ["tokens_per_s", "mfu", "mfu_with_attention", "peak_memory_gib", "logprob_tokens_per_s"],
     "loss": ["grpo_ms", "apmpo_ms", "apmpo_over_grpo", "compiled_apmpo_over_grpo"],
     "logprobs": ["chunked_extra_gib", "naive_extra_gib", "chunked_over_naive"],
+    "learner_fp32_comm": ["tokens_per_s", "mfu", "peak_memory_gib"],
     "transport": ["bytes_per_s", "raw_copy_bytes_per_s", "ratio_to_raw_copy"],
+    "zero2_grads": ["tensors"],
 }
 
 
@@ -65,6 +69,9 @@ def test_dry_run_passes_every_check_and_writes_the_figures_without_vllm(tmp_path
                 (name, key, figures[key])
     assert report["checks"]["learner_gc"]["figures"]["gradient_checkpointing"] is True
     assert report["checks"]["learner_no_gc"]["figures"]["gradient_checkpointing"] is False
+    assert report["checks"]["learner_gc"]["figures"]["communication_data_type"] == "float32"  # a dry run is fp32
+    assert report["checks"]["learner_fp32_comm"]["figures"]["communication_data_type"] == "float32"
+    assert report["checks"]["zero2_grads"]["figures"]["max_relative_diff"] <= 1e-4
     assert report["checks"]["logprobs"]["figures"]["vocab"] == 151_936
     assert report["checks"]["transport"]["figures"]["transport"] in ("shm", "gloo")  # cuda_ipc's CPU stand-ins
     assert report["checks"]["no_vllm"]["figures"]["vllm_modules"] == []
@@ -95,3 +102,48 @@ def test_the_deepspeed_requirements_listed_are_those_of_the_installed_deepspeed(
     """The GPU box is told which of these it lacks; they must not drift from DeepSpeed's own list."""
     needs = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requires("deepspeed") if "extra ==" not in r}
     assert needs == set(gpu_check.DEEPSPEED_REQUIRES)
+
+
+def test_a_missing_module_is_fetched_under_its_distributions_name():
+    assert gpu_check.download_command(["yaml", "math_verify", "einops"]).endswith(" pyyaml math-verify einops")
+
+
+def test_the_wheel_folder_holds_what_the_checks_import():
+    """scripts/gpu_wheels.sh fetches scripts/gpu_wheels.txt's distributions and all they require. Every
+    distribution that the code the checks load imports (at module level or in a function) must be among them or
+    be the GPU machine's torch, but for the few named below, which the checks never reach. No download here."""
+    probe = """
+import ast, json, sys, importlib.util
+from importlib.metadata import packages_distributions
+from pathlib import Path
+root = Path.cwd()
+spec = importlib.util.spec_from_file_location("gpu_check", "scripts/gpu_check.py")
+g = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(g)
+g._train_module()
+import benchmarks.loss_overhead, apmpo.learner.logprobs, apmpo.rollout.weight_sync  # what the checks import inside
+files = {Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+roots = set()
+for f in (f for f in files if f.is_relative_to(root) and f.suffix == ".py" and f.is_file()
+                                    and "site-packages" not in f.parts):
+    for node in ast.walk(ast.parse(f.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+dists = packages_distributions()
+print(json.dumps(sorted({d for r in roots for d in dists.get(r, [])})))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = {canonicalize_name(name) for name in json.loads(done.stdout.splitlines()[-1])}
+    wheels_spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "scripts" / "gpu_wheels.py")
+    gpu_wheels = importlib.util.module_from_spec(wheels_spec)
+    wheels_spec.loader.exec_module(gpu_wheels)
+    carried = set(gpu_wheels.pins("3.12"))
+    never_reached = {"apmpo": "this clone, on PYTHONPATH", "datasets": "hub datasets (apmpo.data), not loaded",
+                     "pyarrow": "through datasets", "wandb": "an optional logger (apmpo.learner.metrics)"}
+    assert imported - carried - {"torch"} - set(never_reached) == set()
+    assert {"deepspeed", "transformers", "pyyaml", "math-verify", "requests", "hjson", "py-cpuinfo"} <= carried
+    assert "torch" not in carried and "sympy" not in carried  # the machine's torch and its requirements

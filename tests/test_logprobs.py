@@ -284,7 +284,7 @@ def test_memory_detectors_catch_full_and_kept_logits(big_vocab, monkeypatch):
     largest, saved = memory_footprint(lambda: reference(model, *batch, 1.0)[0])
     assert largest >= full and saved >= full
 
-    def chunk_without_recompute(h, weight, y, temperature, with_entropy):
+    def chunk_without_recompute(h, weight, y, temperature, with_entropy, bias):  # a text model: bias None
         logprobs = torch.log_softmax((h @ weight.T).float() / temperature, dim=-1)
         return logprobs.gather(-1, y[:, None]).squeeze(-1), None
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from apmpo.data import load_records
-from apmpo.data.vision import VisionInputs
+from apmpo.data.vision import NEVER_SAMPLE_BIAS, VisionInputs, placeholder_token_ids
 from apmpo.learner.batching import Rollout, collate
 from apmpo.learner.logprobs import token_logprobs
 from apmpo.tiny import save_synthetic_diagrams, save_tiny_vl_model
@@ -64,10 +64,42 @@ def test_micro_batch_logprobs_equal_each_row_alone(tiny_vl, vision, diagrams):
                 "pixel_values": r.mm["pixel_values"], "image_grid_thw": r.mm["image_grid_thw"],
                 "mm_token_type_ids": torch.cat([r.mm["mm_token_type_ids"],
                                                 torch.zeros(len(r.completion_ids), dtype=torch.int32)])[None]}
-            logits = model(input_ids=ids, **extras).logits.float().log_softmax(-1)[0]
+            logits = model(input_ids=ids, **extras).logits.float()
+            logits[..., placeholder_token_ids(model.config)] += NEVER_SAMPLE_BIAS  # as the server (see below)
+            logits = logits.log_softmax(-1)[0]
             P = len(r.prompt_ids)
             want = logits[P - 1 : -1].gather(-1, ids[0, P:, None]).squeeze(-1)
             torch.testing.assert_close(logp[row, P : P + len(r.completion_ids)], want, rtol=1e-4, atol=1e-4)
+
+
+def test_learner_logprobs_carry_the_servers_bias_on_placeholder_tokens(tiny_vl):
+    """The server adds -100 to the image and video pads' logits before the temperature (vLLM's logit bias), so its
+    log-probs are of that distribution; the learner's chunked log-probs (values and gradients) are too. Without the
+    bias they differ by the pads' probability mass, which a random model gives them."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+    pads = placeholder_token_ids(model.config)
+    assert pads == sorted([model.config.image_token_id, model.config.video_token_id])
+    temperature = 0.7
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, 100, (2, 12), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    scored = torch.zeros_like(input_ids, dtype=torch.bool)
+    scored[:, 5:] = True
+
+    def reference(bias: float) -> torch.Tensor:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        logits[..., pads] += bias  # before the temperature, as vLLM's sampler
+        logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        return torch.cat([logp.new_zeros(2, 1), logp], 1) * scored
+
+    logp, _ = token_logprobs(model, input_ids, attention_mask, scored, temperature=temperature, chunk_tokens=5)
+    (grad,) = torch.autograd.grad(logp.sum(), model.lm_head.weight)
+    want = reference(NEVER_SAMPLE_BIAS)
+    (want_grad,) = torch.autograd.grad(want.sum(), model.lm_head.weight)
+    torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad, want_grad, atol=1e-5, rtol=1e-4)
+    unbiased = reference(0.0).detach()
+    assert (unbiased - want.detach()).abs().max() > 1e-3  # the pads' mass: the test tells the two apart
 
 
 def test_vision_tower_frozen_by_default_projector_trains(tiny_vl):

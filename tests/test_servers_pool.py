@@ -15,8 +15,11 @@ import time
 import pytest
 import torch
 
+from transformers import AutoModelForCausalLM
+
 from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerSet, start_server, start_servers
+from apmpo.rollout.pool import ServerPool
 from apmpo.tiny import save_perturbed_copy
 
 pytestmark = pytest.mark.slow
@@ -45,16 +48,91 @@ def _sample(client, **kwargs):
     return client.generate(PROMPTS, **{"n": 3, "temperature": 1.0, "max_tokens": 12, "seed": SEED, **kwargs})
 
 
-def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(tiny_tied, tmp_path):
-    perturbed = save_perturbed_copy(tiny_tied, tmp_path / "perturbed", seed=1)
-    assert perturbed.config.tie_word_embeddings
-    servers = ServerSet(_start(tiny_tied, tmp_path, 2))
-    reference = None
-    try:
-        reference = start_server(str(tmp_path / "perturbed"), log_path=tmp_path / "reference.log", token=TOKEN,
-                                 dtype="float32", max_model_len=256, extra_args=LIMITS, wait=False)
-        servers.wait_ready(timeout_s=300)
-        reference.wait_ready(timeout_s=300)
+class TestTwoServers:
+    """Two servers and a fresh reference server on the pushed weights, started once for the tests below (the
+    last kills one of the two)."""
+
+    @pytest.fixture(scope="class")
+    def setup(self, tiny_tied, tmp_path_factory):
+        tmp_path = tmp_path_factory.mktemp("pool")
+        perturbed = save_perturbed_copy(tiny_tied, tmp_path / "perturbed", seed=1)
+        assert perturbed.config.tie_word_embeddings
+        servers = ServerSet(_start(tiny_tied, tmp_path, 2))
+        reference = None
+        try:
+            reference = start_server(str(tmp_path / "perturbed"), log_path=tmp_path / "reference.log", token=TOKEN,
+                                     dtype="float32", max_model_len=256, extra_args=LIMITS, wait=False)
+            servers.wait_ready(timeout_s=300)
+            reference.wait_ready(timeout_s=300)
+            served = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32)
+            yield servers, reference, perturbed, served
+        finally:
+            servers.stop()
+            if reference is not None:
+                reference.stop()
+
+    def test_one_gloo_group_holds_the_learner_and_both_servers(self, setup):
+        """Item 6 of issue 28: each bucket broadcast once, to the workers of both servers, over one group."""
+        servers, reference, perturbed, served = setup
+        clients = [GenerationClient(url, TOKEN, transport="gloo") for url in servers.urls]
+        with ServerPool(clients) as pool, GenerationClient(reference.url, TOKEN) as fresh, \
+                GenerationClient(servers.urls[0], TOKEN) as one:
+            before = _ids(_sample(one))
+            version = pool.info()["weight_version"]
+            assert pool.push_weights(perturbed.named_parameters()) == version + 1
+            assert pool.last_push["one_group"] and pool.last_push["transport"] == "gloo"
+            assert pool.sender.group.world_size == 3  # the learner and one engine worker per server
+            assert [client.info()["weight_version"] for client in pool.clients] == [version + 1] * 2
+            want = _ids(_sample(fresh))
+            assert want != before
+            for client in pool.clients:
+                assert _ids(_sample(client)) == want, client.url
+            assert pool.push_weights(served.named_parameters()) == version + 2  # back: B -> A, the same group
+            for client in pool.clients:
+                assert _ids(_sample(client)) == before, client.url
+
+    def test_a_join_before_generating_outlives_a_generation_longer_than_its_deadline(self, setup):
+        """Item 2 of issue 28: with max_staleness >= 1 the next batch is generating when the first push comes.
+        A group joined before generating waits for nothing; a join behind a generation longer than the deadline
+        fails at the deadline, saying why (before, it waited for the engine without one)."""
+        servers, _, _, served = setup
+        url = servers.urls[0]
+        batch = {"prompts": PROMPTS + PROMPTS[:4], "n": 8, "temperature": 1.0, "max_tokens": 200, "seed": SEED}
+        with GenerationClient(url, TOKEN) as busy:
+            start = time.monotonic()
+            busy.generate(**batch)  # the same seeded batch each time: as long each time
+            deadline = max(0.25, (time.monotonic() - start) / 4)
+        stop, started = threading.Event(), []
+
+        def generate_until_stopped() -> None:  # back to back: the engine is free only between two batches
+            with GenerationClient(url, TOKEN) as busy:
+                while not stop.is_set():
+                    started.append(time.monotonic())
+                    busy.generate(**batch)
+
+        with GenerationClient(url, TOKEN, sync_timeout_s=deadline) as early, \
+                GenerationClient(url, TOKEN, sync_timeout_s=deadline) as late:
+            early.join_weight_group(served.named_parameters())
+            version = early.info()["weight_version"]
+            generating = threading.Thread(target=generate_until_stopped)
+            generating.start()
+            try:
+                while len(started) < 2:  # a batch has just begun: about 4 deadlines of it are left
+                    time.sleep(0.01)
+                start = time.monotonic()
+                with pytest.raises(ServerError, match=f"{url}.*503.*busy \\(generating\\) for the join's whole "
+                                                      f"deadline, {deadline:g} s"):
+                    late.push_weights(served.named_parameters())
+                assert deadline <= time.monotonic() - start < deadline + 15
+                assert early.push_weights(served.named_parameters()) == version + 1  # behind a batch, then at once
+            finally:
+                stop.set()
+                generating.join(timeout=120)
+        with GenerationClient(servers.urls[1], TOKEN) as other:  # both servers at one version again
+            assert other.push_weights(served.named_parameters()) == version + 1
+
+    def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(self, setup):
+        servers, reference, perturbed, _ = setup
         with servers.client() as pool, GenerationClient(servers.urls[0], TOKEN) as one, \
                 GenerationClient(reference.url, TOKEN) as fresh:
             # --- 1 server and 2 servers: the same samples, seeded and greedy
@@ -95,13 +173,10 @@ def test_two_servers_sample_as_one_take_the_push_and_fail_by_name(tiny_tied, tmp
                 pool.generate(PROMPTS, n=2, max_tokens=8, seed=SEED)
             assert time.monotonic() - start < 10  # the healthy server's chunks are not waited for
             start = time.monotonic()
-            with pytest.raises(ServerError, match=f"weight push failed on 1 of 2 generation servers: .*{victim.url}"):
+            with pytest.raises(ServerError, match=f"weight push failed on the weight group of all 2 generation "
+                                                  f"servers .*{victim.url}"):
                 pool.push_weights(perturbed.named_parameters())
             assert time.monotonic() - start < 10
-    finally:
-        servers.stop()
-        if reference is not None:
-            reference.stop()
 
 
 def _processes_of(launcher_pid: int) -> list[int]:

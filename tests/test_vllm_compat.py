@@ -48,6 +48,26 @@ def test_the_users_values_win(monkeypatch):
         compat.set_busy_loop()
 
 
+def test_on_gpu_the_busy_loop_is_left_to_vllm_unless_the_user_sets_it(monkeypatch):
+    """On GPU the multiprocess engine hands every decode step to its workers over the queue: no wake-up per step."""
+    for name in (BUSY, compat.IN_PROCESS_ENV, compat.AOT_COMPILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    vllms_own = SpinCondition.__init__.__defaults__
+    try:
+        SpinCondition.__init__.__defaults__ = (1,)  # vLLM's, as a fresh GPU process has it
+        compat.set_process_env(on_gpu=True)
+        compat.set_busy_loop()
+        assert BUSY not in os.environ and compat.IN_PROCESS_ENV not in os.environ
+        assert SpinCondition.__init__.__defaults__ == (1,)
+        monkeypatch.setenv(BUSY, "0.5")  # the user's choice still applies on GPU
+        compat.set_busy_loop()
+        assert SpinCondition.__init__.__defaults__ == (0.5,)
+        compat.set_process_env(on_gpu=False)  # a CPU process: the user's value is kept
+        assert os.environ[BUSY] == "0.5" and os.environ[compat.IN_PROCESS_ENV] == "0"
+    finally:
+        SpinCondition.__init__.__defaults__ = vllms_own
+
+
 @pytest.mark.parametrize("value", ["soon", "-1", "nan"])
 def test_a_bad_busy_loop_value_fails_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv(BUSY, value)

@@ -39,6 +39,20 @@ def is_vision_language(model: str) -> bool:
     return hasattr(AutoConfig.from_pretrained(model), "vision_config")
 
 
+# Added to the logits of a vision-language model's placeholder tokens (before the temperature), by the server so
+# that it never samples them (vLLM's strongest logit bias) and by the learner so that its log-probs are the
+# server's (apmpo.learner.logprobs): the ratio pi/pi_old compares the same distribution.
+NEVER_SAMPLE_BIAS = -100.0
+
+
+def placeholder_token_ids(config: Any) -> list[int]:
+    """A vision-language model's image and video placeholder tokens, from its (HF) config; none for a text model.
+    A policy can sample one (a random one often does; trained ones have: verl#3469, EasyR1#110), and then the
+    learner's forward finds one more image pad than the images have features for and fails."""
+    names = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
+    return sorted({value for value in (getattr(config, name, None) for name in names) if isinstance(value, int)})
+
+
 def load_image(ref: Any, root: str | Path | None = None):
     """A PIL RGB image from a path, bytes or {"bytes"/"path"} dict."""
     from PIL import Image

@@ -30,7 +30,7 @@ from apmpo.learner.metrics import MetricsLogger
 from apmpo.learner.prepare import load_prompts
 from apmpo.loss import AdaptiveParams
 from apmpo.rewards import RewardPool, get_reward
-from apmpo.rollout.launcher import serve
+from apmpo.rollout.launcher import gpu_memory_utilization, serve
 
 
 @dataclass
@@ -53,13 +53,15 @@ class Driver(contextlib.ExitStack):
         r = cfg.rollout
         # The engines load while the learner imports DeepSpeed and builds (connect() waits for them), unless a
         # server shares rank 0's GPU: vLLM sizes its KV cache from the free memory it measures while it loads.
+        shares_gpu = check_devices(cfg)
         self.servers = self.enter_context(serve(
             model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
             log_path=cfg.run_dir / "server.log", devices=r.devices, num_servers=r.num_servers,
-            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization(r.gpu_memory_utilization, shares_gpu),
+            tensor_parallel_size=r.tensor_parallel_size,
             max_model_len=r.max_model_len, extra_args=("--enforce-eager",) if r.enforce_eager else (),
             dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed,
-            wait=check_devices(cfg), overlap=cfg.overlap))
+            wait=shares_gpu, overlap=cfg.overlap))
         self.policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
 
     def connect(self, engine, tokenizer, vision, trainer_state: dict) -> None:
@@ -78,7 +80,11 @@ class Driver(contextlib.ExitStack):
         self.servers.wait_ready()
         r = cfg.rollout
         self.client = self.enter_context(self.servers.client(
-            transport=None if r.weight_sync == "auto" else r.weight_sync, bucket_bytes=r.bucket_mb << 20))
+            transport=None if r.weight_sync == "auto" else r.weight_sync, bucket_bytes=r.bucket_mb << 20,
+            sync_timeout_s=r.sync_timeout_s))
+        # Now, while no generation holds the engines: a join behind a batch's generation would outlast the deadline
+        # (minutes of 512 x 8 samples on GPU) with max_staleness >= 1.
+        self.client.join_weight_group(engine.module.named_parameters())
         if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
             self.push(engine.module)
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))

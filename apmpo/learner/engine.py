@@ -132,7 +132,7 @@ def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = T
         tower = model.model.visual
         for name, param in tower.named_parameters():
             param.requires_grad_(name.startswith("merger."))
-    if cfg.model.gradient_checkpointing:
+    if checkpoints_activations(cfg, device):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     # from_pretrained returns eval mode, and transformers checkpoints activations only in train mode. Train
@@ -140,6 +140,12 @@ def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = T
     # with dropout would make the ratio pi/pi_old noisy, hence the check.
     _check_no_dropout(model)
     return model.train()
+
+
+def checkpoints_activations(cfg: Config, device: torch.device) -> bool:
+    """model.gradient_checkpointing, its default (None) resolved: on for a GPU learner, off on CPU."""
+    setting = cfg.model.gradient_checkpointing
+    return device.type == "cuda" if setting is None else setting
 
 
 def _check_no_dropout(model) -> None:
@@ -171,8 +177,18 @@ def build_engine(model, cfg: Config, dist: Dist):
     """The DeepSpeed engine around the policy: ZeRO-2, AdamW (torch's, so nothing is JIT-compiled), clipping."""
     import deepspeed
 
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=deepspeed_config(cfg, dist),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+    )
+    return engine
+
+
+def deepspeed_config(cfg: Config, dist: Dist) -> dict:
+    """build_engine's DeepSpeed configuration."""
     o = cfg.optim
-    ds_config = {
+    return {
         "train_micro_batch_size_per_gpu": 1,  # a placeholder: micro-batches are sized by tokens, not rows
         "gradient_accumulation_steps": 1,
         "gradient_clipping": o.max_grad_norm,
@@ -184,14 +200,12 @@ def build_engine(model, cfg: Config, dist: Dist):
         # Micro-batch gradients are summed in fp32: a step has ~60 micro-batches at paper scale, and a bf16 sum
         # (DeepSpeed's default, the model's dtype) loses 2^-9 relative per addition.
         "data_types": {"grad_accum_dtype": "fp32"},
+        # Each micro-batch's reduce-scatter, in the model's dtype unless train.communication_data_type says fp32.
+        **({"communication_data_type": cfg.train.communication_data_type}
+           if cfg.train.communication_data_type is not None else {}),
         "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2],
                                                   "eps": o.adam_eps, "weight_decay": o.weight_decay,
                                                   "torch_adam": True}},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
-    )
-    return engine

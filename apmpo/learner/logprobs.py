@@ -9,7 +9,10 @@ memory is about two `[chunk_tokens, vocab]` fp32 buffers, whatever the token cou
 0.6 GB). Under `torch.no_grad()` (old and reference log-probs) the same code is just a loop over chunks.
 
 Numerics match `log_softmax(model(ids).logits.float() / T)`: the head runs in the model's dtype (bf16 on
-GPU), the softmax in fp32.
+GPU), the softmax in fp32. A vision-language model's placeholder tokens get the server's logit bias first
+(`apmpo.data.vision.NEVER_SAMPLE_BIAS`, before the temperature, as vLLM applies it): the engine's log-probs
+are those of the biased distribution, and the learner's must be too, or every ratio pi/pi_old is off by the
+placeholders' probability mass.
 
 Models: any HF causal LM whose backbone is `model.model` and whose head is `model.get_output_embeddings()`,
 tied or untied (Qwen2, Qwen2.5, Llama). Qwen2.5-VL plugs in unchanged: `Qwen2_5_VLForConditionalGeneration
@@ -75,11 +78,12 @@ def token_logprobs(
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("the LM head has a bias; chunked log-probs support bias-free heads (Qwen, Llama)")
+    bias = never_sampled_bias(model.config, head.weight.shape[0], head.weight.device)
 
     logps, entropies = [], []
     for start in range(0, targets.numel(), chunk_tokens):
         h, y = states[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        logp, entropy = _ChunkLogprobs.apply(h, head.weight, y, temperature, with_entropy)
+        logp, entropy = _ChunkLogprobs.apply(h, head.weight, y, temperature, with_entropy, bias)
         logps.append(logp)
         entropies.append(entropy)
 
@@ -89,6 +93,18 @@ def token_logprobs(
         return logp, None
     entropy = zeros.masked_scatter(logits_mask, torch.cat(entropies)) if entropies else zeros
     return logp, entropy
+
+
+def never_sampled_bias(config, vocab: int, device: torch.device) -> Tensor | None:
+    """[vocab] fp32: the server's logit bias on the placeholder tokens (0 elsewhere); None for a text model."""
+    from apmpo.data.vision import NEVER_SAMPLE_BIAS, placeholder_token_ids
+
+    tokens = [t for t in placeholder_token_ids(config) if t < vocab]
+    if not tokens:
+        return None
+    bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+    bias[tokens] = NEVER_SAMPLE_BIAS
+    return bias
 
 
 # --- rows that share a prompt (the G samples of a group) run it once ----------------------------------------------
@@ -212,8 +228,9 @@ class _ChunkLogprobs(torch.autograd.Function):
     (Autograd through log_softmax + gather would hold three or four such buffers at once.)"""
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, y: Tensor, temperature: float, with_entropy: bool):
-        logits = _scaled_logits(h, weight, temperature)  # [chunk, vocab] fp32
+    def forward(ctx, h: Tensor, weight: Tensor, y: Tensor, temperature: float, with_entropy: bool,
+                bias: Tensor | None):
+        logits = _scaled_logits(h, weight, temperature, bias)  # [chunk, vocab] fp32
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(-1, y[:, None]).squeeze(-1) - lse
         entropy = logp.new_empty(0)
@@ -222,21 +239,24 @@ class _ChunkLogprobs(torch.autograd.Function):
             entropy = -log_probs.exp().mul_(log_probs).sum(-1)
         ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(h, weight, y, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.bias = temperature, bias
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
         h, weight, y, lse = ctx.saved_tensors
         scale = grad_logp[:, None] / ctx.temperature  # the 1/T of logits = head(h) / T
-        grad = _scaled_logits(h, weight, ctx.temperature).sub_(lse[:, None]).exp_().mul_(-scale)  # -g softmax / T
+        grad = _scaled_logits(h, weight, ctx.temperature, ctx.bias).sub_(lse[:, None]).exp_().mul_(-scale)  # -g p / T
         grad.scatter_add_(-1, y[:, None], scale)  # + g onehot(y) / T
         grad = grad.to(h.dtype)  # the matmuls run in the model's dtype, as autograd through head(h).float() would
         grad_h = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.T @ h if ctx.needs_input_grad[1] else None
-        return grad_h, grad_weight, None, None, None
+        return grad_h, grad_weight, None, None, None, None
 
 
-def _scaled_logits(h: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    """head(h) in the model's dtype, then fp32 / T; a fresh tensor, so callers may work on it in place."""
-    return (h @ weight.T).float().div_(temperature)
+def _scaled_logits(h: Tensor, weight: Tensor, temperature: float, bias: Tensor | None = None) -> Tensor:
+    """head(h) in the model's dtype, then fp32, + bias, / T; a fresh tensor, so callers may work on it in place."""
+    logits = (h @ weight.T).float()
+    if bias is not None:
+        logits.add_(bias)
+    return logits.div_(temperature)

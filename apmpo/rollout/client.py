@@ -12,8 +12,8 @@ unreachable raises `ServerUnavailable` naming its URL.
 from __future__ import annotations
 
 import base64
-import socket
-import threading
+import functools
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -22,9 +22,9 @@ from urllib.parse import urlparse
 import requests
 import torch
 
-from apmpo.rollout.net import is_loopback
-from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Transport, WeightGroup, holds_in_place, pack_in_place,
-                                       plan_buckets, select_transport, send_buckets)
+from apmpo.rollout.net import in_thread, is_loopback, local_address_towards
+from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, Transport, WeightGroup, holds_in_place,
+                                       pack_in_place, plan_buckets, select_transport, send_buckets)
 
 # How often a starting server is asked whether it is ready: it refuses connections until its engine is loaded,
 # so asking is cheap, and each poll interval is start-up time lost on average by half.
@@ -67,8 +67,8 @@ class GenerationClient:
         self._session = requests.Session()
         if token is not None:
             self._session.headers["Authorization"] = f"Bearer {token}"
-        self._group: WeightGroup | None = None
         self._info: dict[str, Any] | None = None
+        self._sender = WeightSender([self])
         self.last_push: dict[str, Any] = {}  # the last push_weights: transport, bytes, seconds, engine's reload_s/wait_s
 
     # --- HTTP ---
@@ -127,94 +127,24 @@ class GenerationClient:
 
     # --- weights ---
 
+    def join_weight_group(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Joins the server's weight group now, for pushes of tensors like these. Call it before generating:
+        the workers join while the engine is free, and a join that waits behind a long generation gives up after
+        `sync_timeout_s` (the first push joins, if this was not called)."""
+        self._sender.join_for(named_tensors)
+
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Sends HF-named tensors to the engine; returns the new weight version. Generation pauses meanwhile.
 
         Floating tensors are cast to the engine's dtype while packing (half the bytes for fp32 master weights).
         A tied model's missing `lm_head.weight` is filled in by the engine's workers.
         """
-        info = self._info or self.info()
-        named = [(name, tensor.detach()) for name, tensor in named_tensors]
-        if not named:
-            raise ValueError("push_weights got no tensors")
-        engine_dtype = getattr(torch, info["dtype"])
-        buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
-                                for name, t in named), self.bucket_bytes)
-        start = time.perf_counter()
-        nbytes = sum(b.nbytes for b in buckets)
-        group = self._group or self._join_group(named[0][1].device, info, nbytes)
-        tensors = [tensor for _, tensor in named]
-        declared = [{"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
-                                                      "offset": t.offset} for t in b.tensors]} for b in buckets]
-        behind_a_generate_s = info["limits"]["generate_timeout_s"] + self.sync_timeout_s
-        update, in_place = None, holds_in_place(group, buckets)
-        if in_place:
-            # shm after the first push: the workers map our segment, so write it all, then one request loads it
-            # (on 2 CPU servers of the quickstart model, 12 ms a push instead of 25). Any failure drops the group,
-            # so that no later push writes into a segment a stale load may still read.
-            try:
-                pack_in_place(group, buckets, tensors)
-                update = self._request("POST", "/weights/load", json={"segment": group.segment_path,
-                                                                      "buckets": declared},
-                                       timeout_s=behind_a_generate_s + 60, retries=0)
-            except Exception as error:
-                self._close_group()
-                if not (isinstance(error, ServerError) and error.status == 409):
-                    raise
-                # Another client's group replaced ours on the server, and nothing was loaded: share anew.
-                group, in_place = self._join_group(named[0][1].device, info, nbytes), False
-        if update is None:
-            self._request("POST", "/weights/begin", json={"buckets": declared}, timeout_s=behind_a_generate_s,
-                          retries=0)
-            try:
-                send_buckets(group, buckets, tensors)
-            except Exception:
-                self._close_group()  # the group's state is unknown; the next push builds a fresh one
-                raise
-            finally:
-                # Always ask: the answer reports the server-side error, and the server's update thread ends either
-                # way.
-                update = self._request("POST", "/weights/finish", timeout_s=self.sync_timeout_s + 60, retries=0)
-        self.last_push = {"transport": group.transport, "in_place": in_place, "bytes": nbytes,
-                          "seconds": time.perf_counter() - start, "reload_s": update["reload_s"],
-                          "wait_s": update["wait_s"]}
+        (update,) = self._sender.push(named_tensors)
+        self.last_push = self._sender.last_push
         return update["weight_version"]
 
-    def _join_group(self, device: torch.device, info: dict[str, Any], nbytes: int) -> WeightGroup:
-        server_host = urlparse(self.url).hostname or "127.0.0.1"
-        transport = self.transport or select_transport(device, info["device_uuids"], is_loopback(server_host), nbytes)
-        host = self.sync_host or _local_address_towards(server_host)
-        world_size = 1 + info["num_workers"]
-        store = WeightGroup.create_master(transport, host, world_size, self.sync_timeout_s)
-        body = {"transport": transport, "host": host, "port": store.port, "world_size": world_size,
-                "timeout_s": self.sync_timeout_s}
-        # The workers join inside the /weights/init call while we join in a thread: both block until all ranks
-        # meet. The thread is a daemon so that a failed init cannot keep the process alive.
-        joined: list[WeightGroup | BaseException] = []
-
-        def join() -> None:
-            try:
-                joined.append(WeightGroup(transport, host, store.port, 0, world_size, self.sync_timeout_s, store=store))
-            except BaseException as error:  # noqa: BLE001 (re-raised below)
-                joined.append(error)
-
-        thread = threading.Thread(target=join, name="weight-group-join", daemon=True)
-        thread.start()
-        self._request("POST", "/weights/init", json=body, timeout_s=self.sync_timeout_s + 60, retries=0)
-        thread.join(timeout=self.sync_timeout_s)
-        if not joined or isinstance(joined[0], BaseException):
-            raise ServerError(f"could not join the weight group of {self.url}: {joined[0] if joined else 'timeout'}")
-        group = joined[0]
-        self._group = group
-        return group
-
-    def _close_group(self) -> None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
-
     def close(self) -> None:
-        self._close_group()
+        self._sender.close()
         self._session.close()
 
     def __enter__(self) -> GenerationClient:
@@ -224,10 +154,144 @@ class GenerationClient:
         self.close()
 
 
-def _local_address_towards(server_host: str) -> str:
-    """The address of this machine that the server can reach back (no packet is sent: UDP connect)."""
-    if is_loopback(server_host):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((server_host, 9))
-        return probe.getsockname()[0]
+
+class WeightSender:
+    """The learner's end of one weight group that every engine worker of the `clients`' servers joins (ranks
+    1.. in server order), so that each bucket is broadcast once for all of them, as vLLM's own RL example
+    broadcasts to its engines over one StatelessProcessGroup + PyNcclCommunicator. With 4 NCCL servers a group
+    each, rank 0 sent the bytes 4 times and held 2 buckets per group. The settings (transport, bucket size,
+    sync host and timeout) are the first client's; `one_group_reaches` says whether the clients can share one."""
+
+    def __init__(self, clients: list[GenerationClient]):
+        self.clients = clients
+        self.group: WeightGroup | None = None
+        self.last_push: dict[str, Any] = {}  # transport, in_place, bytes, seconds, slowest engine's reload_s/wait_s
+
+    @staticmethod
+    def one_group_reaches(clients: list[GenerationClient]) -> bool:
+        """Whether one group can hold every server's workers: the same settings, and the same address of this
+        machine towards each (servers on other networks, which reach the learner at different addresses, keep a
+        group each)."""
+        settings = {(c.transport, c.bucket_bytes, c.sync_host, c.sync_timeout_s) for c in clients}
+        return len(settings) == 1 and len({c.sync_host or local_address_towards(_host(c.url)) for c in clients}) == 1
+
+    def _plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[torch.Tensor], list[Bucket]]:
+        first = self.clients[0]
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        if not named:
+            raise ValueError("push_weights got no tensors")
+        engine_dtype = getattr(torch, (first._info or first.info())["dtype"])
+        buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
+                                for name, t in named), first.bucket_bytes)
+        return [tensor for _, tensor in named], buckets
+
+    def join_for(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightGroup:
+        """The group, joined now if it was not, for pushes of tensors like these."""
+        tensors, buckets = self._plan(named_tensors)
+        return self.group or self._join(tensors[0].device, sum(b.nbytes for b in buckets))
+
+    def _join(self, device: torch.device, nbytes: int) -> WeightGroup:
+        first, timeout_s = self.clients[0], self.clients[0].sync_timeout_s
+        infos = [client._info or client.info() for client in self.clients]
+        hosts = [_host(client.url) for client in self.clients]
+        uuids = [uuid for info in infos for uuid in info["device_uuids"]]
+        transport = first.transport or select_transport(device, uuids, all(map(is_loopback, hosts)), nbytes)
+        host = first.sync_host or local_address_towards(hosts[0])
+        first_ranks = list(itertools.accumulate([info["num_workers"] for info in infos], initial=1))
+        world_size = first_ranks.pop()
+        store = WeightGroup.create_master(transport, host, world_size, timeout_s)
+        # Every rank blocks until all meet: we join in a thread, each server's workers inside its /weights/init.
+        # The threads are daemons, so that a failed join cannot keep the process alive.
+        learner = in_thread(WeightGroup, transport, host, store.port, 0, world_size, timeout_s, store)
+        errors = _failures(self.clients, self._each("POST", "/weights/init", timeout_s=timeout_s + 60, json=[
+            {"transport": transport, "host": host, "port": store.port, "world_size": world_size,
+             "timeout_s": timeout_s, "first_rank": rank} for rank in first_ranks]))
+        if errors:
+            raise ServerError(f"could not join the weight group of {', '.join(errors)}")
+        try:
+            self.group = learner.result(timeout=timeout_s)
+        except Exception as error:  # noqa: BLE001 (a timeout, or the group's own error)
+            raise ServerError(f"could not join the weight group of {', '.join(c.url for c in self.clients)}: "
+                              f"{error!r}") from error
+        return self.group
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+        """Sends HF-named tensors to every server, each bucket once; returns each server's update response
+        (weight_version, reload_s, wait_s). Any failure drops the group: the next push builds a fresh one."""
+        tensors, buckets = self._plan(named_tensors)
+        start = time.perf_counter()
+        nbytes = sum(b.nbytes for b in buckets)
+        group = self.group or self._join(tensors[0].device, nbytes)
+        declared = [{"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                                                      "offset": t.offset} for t in b.tensors]} for b in buckets]
+        sync_timeout_s = self.clients[0].sync_timeout_s
+        behind_a_generate_s = max((c._info or c.info())["limits"]["generate_timeout_s"] for c in self.clients) \
+            + sync_timeout_s
+        updates, in_place = None, holds_in_place(group, buckets)
+        if in_place:
+            # shm after the first push: the workers map our segment, so write it all, then one request loads it
+            # (on 2 CPU servers of the quickstart model, 12 ms a push instead of 25). Any failure drops the group,
+            # so that no later push writes into a segment a stale load may still read.
+            try:
+                pack_in_place(group, buckets, tensors)
+            except Exception:
+                self.close()
+                raise
+            loads = self._each("POST", "/weights/load", json={"segment": group.segment_path, "buckets": declared},
+                               timeout_s=behind_a_generate_s + 60)
+            failed = [r for r in loads if isinstance(r, BaseException)]
+            if failed:
+                self.close()
+                if not all(isinstance(error, ServerError) and error.status == 409 for error in failed):
+                    raise failed[0]
+                # Another client's group replaced ours on a server, and nothing was loaded there: share anew.
+                group, in_place = self._join(tensors[0].device, nbytes), False
+            else:
+                updates = loads
+        if updates is None:
+            error: BaseException | None = None
+            not_begun = _failures(self.clients, self._each("POST", "/weights/begin", json={"buckets": declared},
+                                                           timeout_s=behind_a_generate_s))
+            try:
+                if not_begun:
+                    raise ServerError(f"weight update not begun on {', '.join(not_begun)}")
+                send_buckets(group, buckets, tensors)
+            except Exception as caught:  # noqa: BLE001 (raised below, after the servers' own reports)
+                self.close()  # the group's state is unknown
+                error = caught
+            # Always ask: the answer reports a server-side error, and each server's update thread ends either way.
+            updates = self._each("POST", "/weights/finish", timeout_s=sync_timeout_s + 60)
+            # A server's report says more than our side of a failure; its 409 after one says nothing was begun there.
+            reports = [r for r in updates if isinstance(r, BaseException)
+                       and not (error is not None and isinstance(r, ServerError) and r.status == 409)]
+            if reports:
+                raise reports[0] from error
+            if error is not None:
+                raise error
+        slowest = max(updates, key=lambda update: update["reload_s"])
+        self.last_push = {"transport": group.transport, "in_place": in_place, "bytes": nbytes,
+                          "seconds": time.perf_counter() - start, "reload_s": slowest["reload_s"],
+                          "wait_s": slowest["wait_s"]}
+        return updates
+
+    def _each(self, method: str, path: str, *, timeout_s: float, json: Any = None) -> list[Any]:
+        """The request to every server at once (`json`: one body for all, or a list of one per server); each
+        server's answer, or the exception its request raised."""
+        bodies = json if isinstance(json, list) else [json] * len(self.clients)
+        futures = [in_thread(functools.partial(client._request, method, path, json=body, timeout_s=timeout_s,
+                                               retries=0)) for client, body in zip(self.clients, bodies)]
+        return [future.exception() or future.result() for future in futures]
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _host(url: str) -> str:
+    return urlparse(url).hostname or "127.0.0.1"
+
+
+def _failures(clients: list[GenerationClient], results: list[Any]) -> list[str]:
+    """'url: error' for each server whose request raised."""
+    return [f"{client.url}: {result}" for client, result in zip(clients, results) if isinstance(result, BaseException)]

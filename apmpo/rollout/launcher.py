@@ -12,7 +12,7 @@ Used by the learner and by `python -m apmpo.eval`:
 Devices: `devices="1,2"` gives the server those GPUs (CUDA_VISIBLE_DEVICES) and, by default, tensor parallelism
 over them; disjoint from the learner's. Groups separated by ";" are one server each: "4;5;6;7" four servers with
 one GPU, "4,5;6,7" two with TP 2. Without GPUs, `num_servers` CPU servers. To share the learner's GPU, pass that
-one device and a `gpu_memory_utilization` fraction that leaves room for training.
+one device and a `gpu_memory_utilization` fraction that leaves room for training (`gpu_memory_utilization`).
 
 Each server runs in its own process group, which `stop` kills as a whole (vLLM spawns engine processes). It is
 stopped by the context manager, by atexit, and, should the parent die without either (SIGKILL, OOM killer),
@@ -37,6 +37,19 @@ import torch
 from apmpo.rollout.client import READY_POLL_S, GenerationClient, ServerUnavailable
 from apmpo.rollout.net import bind_socket, is_loopback
 from apmpo.rollout.pool import ServerPool
+
+
+# vLLM's share of a server GPU's memory (weights, activations, then all the rest as KV cache). On GPUs of its own,
+# vLLM's default; on the GPU it shares with learner rank 0 (weights over CUDA IPC), half, the rest for training.
+OWN_GPU_MEMORY_UTILIZATION = 0.9
+SHARED_GPU_MEMORY_UTILIZATION = 0.5
+
+
+def gpu_memory_utilization(configured: float | None, shares_learner_gpu: bool) -> float:
+    """rollout.gpu_memory_utilization, its default (None) resolved for where the servers run."""
+    if configured is not None:
+        return configured
+    return SHARED_GPU_MEMORY_UTILIZATION if shares_learner_gpu else OWN_GPU_MEMORY_UTILIZATION
 
 
 class ServerStartError(RuntimeError):
@@ -142,7 +155,8 @@ def start_server(model: str, *, log_path: str | Path, devices: str | None = None
 
 
 def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str | None], host: str = "127.0.0.1",
-                  port: int | None = None, token: str | None = None, gpu_memory_utilization: float = 0.9,
+                  port: int | None = None, token: str | None = None,
+                  gpu_memory_utilization: float = OWN_GPU_MEMORY_UTILIZATION,
                   tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
                   seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                   ready_timeout_s: float = 900.0, wait: bool = True, overlap: bool = False

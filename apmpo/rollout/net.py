@@ -15,6 +15,17 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def local_address_towards(host: str) -> str:
+    """The address of this machine that `host` can reach back: the source address of a route to it (no packet is
+    sent: a UDP connect only picks the route). Loopback for a loopback host."""
+    if is_loopback(host):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), port 0 for a free one; the caller listens or hands it on."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

@@ -14,9 +14,11 @@ The server seeds prompt i of a request with `seed + i * n`; a chunk starting at 
 `seed + start * n`, so every prompt gets the seed it would get in one request to one server: the samples do
 not depend on which server drew them, nor on how many there are.
 
-Weights: each server keeps its own weight group (transport as for one server: shm or gloo on CPU, NCCL or CUDA
-IPC on GPU), and the pushes run in parallel, a thread per server. A push that fails on any server, or servers
-that then report different weight versions (one was restarted), raise ServerError naming the servers.
+Weights: one weight group holds the learner and every engine worker of every server (client.WeightSender), so
+each bucket is broadcast once for all (shm or gloo on CPU, NCCL on GPU). Servers that reach this machine at
+different addresses (other networks) cannot share a group: each keeps its own, and the pushes run in parallel,
+a thread per server. A push that fails on any server, or servers that then report different weight versions (one
+was restarted), raise ServerError naming the servers.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any, Iterable
 
 import torch
 
-from apmpo.rollout.client import GenerationClient, Sample, ServerError, ServerUnavailable
+from apmpo.rollout.client import GenerationClient, Sample, ServerError, ServerUnavailable, WeightSender
 from apmpo.rollout.net import in_thread
 
 # What every server of a pool must agree on: prompts are encoded once, for one model.
@@ -41,6 +43,8 @@ class ServerPool:
         self.clients = clients
         self.last_push: dict[str, Any] = {}  # as GenerationClient's, over the pool: seconds of the whole fan-out
         self.last_generate: dict[str, int] = {}  # prompts each server served in the last generate
+        # One group for all servers where it reaches them; else None, and each client pushes through its own.
+        self.sender = WeightSender(clients) if len(clients) > 1 and WeightSender.one_group_reaches(clients) else None
 
     @property
     def urls(self) -> list[str]:
@@ -72,31 +76,51 @@ class ServerPool:
         self.last_generate = {client.url: end - start for client, start, end in chunks}
         return [row for future in futures for row in future.result()]
 
+    def join_weight_group(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As GenerationClient.join_weight_group, for every server: before generating."""
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        if self.sender is not None:
+            self.sender.join_for(named)
+            return
+        futures = [in_thread(client.join_weight_group, named) for client in self.clients]
+        self._raise_failures([future.exception() for future in futures])
+
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Pushes to every server in parallel; returns the weight version, the same on all."""
+        """Pushes to every server, through the one group or in parallel; returns the weight version, the same on
+        all."""
         named = [(name, tensor.detach()) for name, tensor in named_tensors]  # read by every thread
         start = time.perf_counter()
-        futures = [in_thread(client.push_weights, named) for client in self.clients]
-        versions, errors = {}, []
-        for client, future in zip(self.clients, futures):
+        if self.sender is not None:
             try:
-                versions[client.url] = future.result()
-            except Exception as error:  # noqa: BLE001 (all failures are reported together)
-                errors.append(_naming(client.url, error))
-        if errors:
-            raise ServerError(f"weight push failed on {len(errors)} of {len(self.clients)} generation servers: "
-                              + "; ".join(map(str, errors))) from errors[0]
+                updates = self.sender.push(named)
+            except Exception as error:  # noqa: BLE001 (named as the per-server path names it)
+                raise ServerError(f"weight push failed on the weight group of all {len(self.clients)} generation "
+                                  f"servers ({', '.join(self.urls)}): {error}") from error
+            versions = {client.url: update["weight_version"] for client, update in zip(self.clients, updates)}
+            pushes = [{**self.sender.last_push, **update} for update in updates]
+        else:
+            futures = [in_thread(client.push_weights, named) for client in self.clients]
+            self._raise_failures([future.exception() for future in futures])
+            versions = {client.url: future.result() for client, future in zip(self.clients, futures)}
+            pushes = [client.last_push for client in self.clients]
         if len(set(versions.values())) > 1:
             raise ServerError(f"the generation servers report different weight versions after the push: {versions} "
                               "(one was restarted, or pushed by another learner): restart them together")
-        pushes = [client.last_push for client in self.clients]
         slowest = max(pushes, key=lambda push: push["reload_s"])
         self.last_push = {"transport": ",".join(sorted({p["transport"] for p in pushes})), "bytes": pushes[0]["bytes"],
                           "seconds": time.perf_counter() - start, "reload_s": slowest["reload_s"],
-                          "wait_s": slowest["wait_s"], "servers": pushes}
+                          "wait_s": slowest["wait_s"], "servers": pushes, "one_group": self.sender is not None}
         return next(iter(versions.values()))
 
+    def _raise_failures(self, errors: list[BaseException | None]) -> None:
+        failed = [_naming(client.url, error) for client, error in zip(self.clients, errors) if error is not None]
+        if failed:
+            raise ServerError(f"weight push failed on {len(failed)} of {len(self.clients)} generation servers: "
+                              + "; ".join(map(str, failed))) from failed[0]
+
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         for client in self.clients:
             client.close()
 

@@ -123,6 +123,7 @@ class InitWeightGroupRequest(_Strict):
     port: int = Field(gt=0, lt=65536)
     world_size: int = Field(ge=2)
     timeout_s: float = Field(gt=0)
+    first_rank: int = Field(default=1, ge=1)  # of this server's workers; a group shared with other servers: later
 
 
 class TensorSpecModel(_Strict):
@@ -310,11 +311,18 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
 
     @app.post("/weights/init", dependencies=auth)
     def init_weight_group(req: InitWeightGroupRequest) -> dict[str, str]:
-        if req.world_size != engine["num_workers"] + 1:
-            raise HTTPException(400, f"world_size must be 1 + {engine['num_workers']} engine workers")
-        with engine_lock:  # blocks until the learner joins the group too, or the timeout
+        if req.first_rank + engine["num_workers"] > req.world_size:
+            raise HTTPException(400, f"world_size {req.world_size} has no ranks {req.first_rank}.."
+                                     f"{req.first_rank + engine['num_workers'] - 1} for this server's engine workers")
+        # The learner gives up on the group after timeout_s: workers that joined later would join a group gone.
+        if not engine_lock.acquire(timeout=req.timeout_s):
+            raise HTTPException(503, f"the engine stayed busy (generating) for the join's whole deadline, "
+                                     f"{req.timeout_s:g} s: join the weight group before generating")
+        try:  # blocks until the learner joins the group too, or the timeout
             compat.collective_rpc(llm, "apmpo_init_weight_group", rpc_timeout_s=req.timeout_s + 10,
                                   **req.model_dump())
+        finally:
+            engine_lock.release()
         return {"status": "ok"}
 
     def run_update(buckets: list[dict], locked: threading.Event, in_place: str | None = None) -> WeightUpdateResponse:

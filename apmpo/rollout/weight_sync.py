@@ -30,12 +30,12 @@ import pickle
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Literal
+from typing import Iterable, Iterator, Literal, Mapping
 
 import torch
 import torch.distributed as dist
 
-from apmpo.rollout.net import is_loopback
+from apmpo.rollout.net import local_address_towards
 
 logger = logging.getLogger("vllm.apmpo")  # a child of vLLM's logger: the worker prints it without setup
 Transport = Literal["gloo", "shm", "nccl", "cuda_ipc"]
@@ -144,8 +144,7 @@ class WeightGroup:
         self.store = store or dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        # Loopback must be named explicitly: gloo's default device resolves the hostname, which may not route.
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host if is_loopback(host) else "")]
+        options._devices = [dist.ProcessGroupGloo.create_device(**device) for device in gloo_devices(rank, host)]
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, options)
         self.segment: torch.Tensor | None = None  # shm: the mapped file the buckets are packed into
         self.segment_path = ""
@@ -220,6 +219,18 @@ class WeightGroup:
                 group.shutdown()
 
 
+def gloo_devices(rank: int, learner_host: str, env: Mapping[str, str] = os.environ) -> list[dict[str, str]]:
+    """Where this rank's gloo group listens, as `ProcessGroupGloo.create_device` arguments. Each side names its own
+    address: gloo's default device resolves the machine's hostname, which may not route to the other side (or
+    resolve at all), and torch refuses an empty one. The learner (rank 0) binds the address it gave the workers,
+    `learner_host`; a worker binds its own address towards it. GLOO_SOCKET_IFNAME, when set, names the
+    interfaces instead, as it does for torch's own gloo groups (init_process_group)."""
+    interfaces = env.get("GLOO_SOCKET_IFNAME", "")
+    if interfaces:
+        return [{"interface": name.strip()} for name in interfaces.split(",")]
+    return [{"hostname": learner_host if rank == 0 else local_address_towards(learner_host)}]
+
+
 def wait_done(work: dist.Work, device: torch.device, timeout_s: float, poll_s: float = 1e-3) -> None:
     """Returns once the collective's bytes are in place. On NCCL `work.wait()` only makes the current stream
     wait for the transfer: the receiver would load (and the server report a new weight version) while bytes are
@@ -246,6 +257,10 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.
     if not buckets:
         return
     device = tensors[0].device
+    if group.transport == "cuda_ipc":
+        # The engine shares this GPU, and its reload allocates a copy of each bucket and of each layer, while our
+        # caching allocator still holds the training step's freed blocks: give them back first.
+        torch.cuda.empty_cache()
     if group.transport == "shm":  # every bucket has its own place, so none is overwritten before it is loaded
         segment = group.share_segment(sum(b.nbytes for b in buckets))
         buffers = [segment[offset:] for offset in bucket_offsets(buckets)]
@@ -348,9 +363,10 @@ class WeightReceiverExtension:
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if torch.cuda.is_available() else ""
 
     def apmpo_init_weight_group(self, transport: Transport, host: str, port: int, world_size: int,
-                                timeout_s: float) -> None:
+                                timeout_s: float, first_rank: int = 1) -> None:
+        """Joins as rank `first_rank` + this worker's rank (a group shared by several servers numbers them on)."""
         self.apmpo_close_weight_group()
-        self._apmpo_group = WeightGroup(transport, host, port, 1 + self.rank, world_size, timeout_s)
+        self._apmpo_group = WeightGroup(transport, host, port, first_rank + self.rank, world_size, timeout_s)
 
     def apmpo_close_weight_group(self) -> None:
         group = getattr(self, "_apmpo_group", None)
