@@ -53,6 +53,12 @@ class DataConfig:
     db_root: str | None = None  # SQL: directory holding <db_id>/<db_id>.sqlite
     image_root: str | None = None  # images given as relative paths: resolved here (None: the data file's folder)
     seed: int = 0  # data order; resumable
+    # Multi-turn episodes (apmpo.envs): an environment answers between the policy's turns and gives the reward
+    # (`reward` is then unused): "reveal", "calculator" or your "pkg.module:Class". None: single-turn completions.
+    env: str | None = None
+    max_turns: int = 2  # policy turns per episode
+    max_episode_tokens: int = 1024  # after the first prompt: sampled and environment tokens together
+    env_timeout_s: float = 10.0  # each environment call; past it the episode scores 0, counted as a failure
 
 
 @dataclass
@@ -237,8 +243,10 @@ class Config:
                 "one of the first two or raise the third")
         _check_correction(self)
         _check_servers(self)
+        _check_episodes(self)
+        turns = self.data.max_turns if self.data.env else 1  # each turn of each episode has a seed of its own
         layout_error = seeding.check_training(t.seed, t.steps, r.max_sampling_rounds if r.dynamic_sampling else 1,
-                                              self.samples_per_step)
+                                              self.samples_per_step * turns)
         if layout_error:
             raise ConfigError(layout_error)
         _check_eval(self)
@@ -280,7 +288,15 @@ def _check_sources(cfg: Config) -> None:
         if train.endswith(DATA_SUFFIXES) or not HUB_ID.match(train):
             raise ConfigError(f"data.train {train!r}: no such file, and not a built-in dataset "
                               f"({', '.join(sorted(BUILTIN))}, quickstart) or a hub id (org/name)")
-    _check_reward(cfg.data.reward)
+    if cfg.data.env is not None:
+        from apmpo.envs import get_env  # noqa: PLC0415
+
+        try:
+            get_env(cfg.data.env)
+        except Exception as exc:  # noqa: BLE001  (any import failure of the user's module is a config error)
+            raise ConfigError(f"data.env {cfg.data.env!r}: {type(exc).__name__}: {exc}") from None
+    else:
+        _check_reward(cfg.data.reward)
     if cfg.eval.every:
         from apmpo.eval.run import EvalError, check_benchmark_sources  # noqa: PLC0415
 
@@ -319,6 +335,23 @@ def _check_servers(cfg: Config) -> None:
     if r.tensor_parallel_size is not None and sizes != {r.tensor_parallel_size}:
         raise ConfigError(f"rollout.tensor_parallel_size ({r.tensor_parallel_size}) must equal the GPUs of each "
                           f"server's group in rollout.devices={r.devices!r}, or be left unset")
+
+
+def _check_episodes(cfg: Config) -> None:
+    d, r = cfg.data, cfg.rollout
+    if d.env is None:
+        return
+    for key, value in (("data.max_turns", d.max_turns), ("data.max_episode_tokens", d.max_episode_tokens),
+                       ("data.env_timeout_s", d.env_timeout_s)):
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0 with data.env, got {value}")
+    if d.max_prompt_tokens + d.max_episode_tokens > r.max_model_len:
+        raise ConfigError(f"data.max_prompt_tokens ({d.max_prompt_tokens}) + data.max_episode_tokens "
+                          f"({d.max_episode_tokens}) > rollout.max_model_len ({r.max_model_len}): the longest episodes "
+                          "could not be played; lower one of the first two or raise the third")
+    if r.overlong_buffer:
+        raise ConfigError("rollout.overlong_buffer is per completion of rollout.max_tokens, not per episode: set it "
+                          "to 0 with data.env")
 
 
 def _check_correction(cfg: Config) -> None:
@@ -398,8 +431,14 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     loss = data.get("loss") or {}
     entry = POLICY_LOSSES.get(loss.get("name", LossConfig.name))
     if entry is not None and entry.needs_token_budget and loss.get("token_budget") is None:
-        # Dr. GRPO's constant: the generation budget per sequence, as TRL's max_completion_length.
-        data["loss"] = {**loss, "token_budget": (data.get("rollout") or {}).get("max_tokens", RolloutConfig.max_tokens)}
+        # Dr. GRPO's constant: the generation budget per sequence, as TRL's max_completion_length; of an episode,
+        # the tokens its turns may sample.
+        budget = (data.get("rollout") or {}).get("max_tokens", RolloutConfig.max_tokens)
+        d = data.get("data") or {}
+        if d.get("env") is not None and all(isinstance(d.get(k, 1), int) for k in ("max_turns", "max_episode_tokens")):
+            budget = min(budget * d.get("max_turns", DataConfig.max_turns),
+                         d.get("max_episode_tokens", DataConfig.max_episode_tokens))
+        data["loss"] = {**loss, "token_budget": budget}
     config = _build(Config, data, prefix="", source=source)
     return config.validate(check_sources)
 

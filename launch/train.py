@@ -36,6 +36,7 @@ from transformers import AutoTokenizer
 
 from apmpo.config import Config, ConfigError, load_config, save_config
 from apmpo.data import stop_token_ids
+from apmpo.envs.episodes import EpisodeRunner
 from apmpo.eval.validate import Validation
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_best, save_checkpoint
@@ -104,10 +105,11 @@ def main(cfg: Config, resume: str) -> None:
             if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
                 policy_version = client.push_weights(engine.module.named_parameters())
             logger = stack.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
+            episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: multi-turn episodes, else None
             # Batches are generated up to train.max_staleness steps ahead, while the learner updates (0: in step).
             stream = RolloutStream(lambda step: collect_rollouts(
                 client, sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss, run_seed=cfg.train.seed, step=step,
-                stop_token_ids=stop_ids, vision=vision), cfg.train.max_staleness, cfg.train.steps)
+                stop_token_ids=stop_ids, vision=vision, episodes=episodes), cfg.train.max_staleness, cfg.train.steps)
             stack.callback(stream.close)
 
         # One full collection now, of all the start-up left, and then the heap it leaves is frozen: the steps'
