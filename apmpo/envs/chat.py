@@ -49,17 +49,17 @@ class Transcript:
         messages = self.messages + [dict(message)]
         rendered = self._render(messages, generation_prompt=True)
         if not rendered.startswith(without):
-            at = _first_difference(without, rendered)
+            at = max(_first_difference(without, rendered) - 12, 0)
             raise TemplateError(
                 f"the chat template of {self._name} is not append-only: adding a {message.get('role')!r} message "
                 f"changes how the earlier ones render (e.g. it drops earlier reasoning), so the next prompt would not "
                 f"extend the sampled tokens. From character {at}, before: {without[at:at + 40]!r}, after: "
-                f"{rendered[at:at + 40]!r}. Use a template that renders earlier turns unchanged")
+                f"{rendered[at:at + 52]!r}. Use a template that renders earlier turns unchanged")
         if not rendered.startswith(self.text):
-            at = _first_difference(self.text, rendered)
+            at = max(_first_difference(self.text, rendered) - 12, 0)  # with some context before
             raise TemplateError(
                 f"the chat template of {self._name} renders the conversation differently from its tokens so far, "
-                f"from character {at}: tokens {self.text[at:at + 40]!r}, template {rendered[at:at + 40]!r} (a turn "
+                f"from character {at}: tokens {self.text[at:at + 52]!r}, template {rendered[at:at + 52]!r} (a turn "
                 "must end with the stop token where the template ends it; training would use tokens nobody sampled)")
         suffix = rendered[len(self.text):]
         ids = self._encode(suffix)
