@@ -288,10 +288,12 @@ def test_environment_tokens_get_exactly_zero_gradient_in_every_loss(name, correc
 
 def test_multiturn_config_loads_with_its_limits():
     cfg = load_config("configs/quickstart_multiturn.yaml")
-    assert (cfg.data.env, cfg.data.max_turns, cfg.data.max_episode_tokens) == ("reveal", 2, 40)
-    # Dr. GRPO's token budget: the tokens an episode's turns may sample.
-    drgrpo = load_config("configs/quickstart_multiturn.yaml", ["loss.name=dr_grpo"])
-    assert drgrpo.loss.token_budget == min(2 * 4, 40)
+    assert (cfg.data.env, cfg.data.max_turns, cfg.data.max_episode_tokens, cfg.rollout.max_tokens) == ("reveal", 2, 32, 2)
+    # Dr. GRPO's token budget: the tokens an episode's turns may sample (2 turns of 2), or fewer if the episode's
+    # token limit says so.
+    assert load_config("configs/quickstart_multiturn.yaml", ["loss.name=dr_grpo"]).loss.token_budget == 2 * 2
+    assert load_config("configs/quickstart_multiturn.yaml", ["loss.name=dr_grpo", "rollout.max_tokens=30"]
+                       ).loss.token_budget == 32
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -309,3 +311,18 @@ def test_multiturn_config_loads_with_its_limits():
 def test_bad_episode_config_fails_at_load_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/quickstart_multiturn.yaml", overrides)
+
+
+# --- per-episode seeds in the generation request -----------------------------------------------------------------
+
+
+def test_a_request_takes_one_seed_per_prompt_or_one_seed_not_both():
+    from pydantic import ValidationError
+
+    from apmpo.rollout.server import MAX_SEED, GenerateRequest
+
+    body = {"prompts": [[1, 2], [3]], "n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4}
+    assert GenerateRequest(**body, seeds=[5, 9]).seeds == [5, 9]
+    for bad in ({"seeds": [5]}, {"seeds": [5, 9], "seed": 1}, {"seeds": [5, -1]}, {"seeds": [5, MAX_SEED]}):
+        with pytest.raises(ValidationError, match="seeds: one per prompt"):
+            GenerateRequest(**body, **bad)

@@ -77,7 +77,7 @@ class MicroBatch:
     indices: list[int]  # rollout indices in the step's batch
     input_ids: Tensor  # prompt then completion, right-padded
     attention_mask: Tensor  # 1 on real tokens
-    loss_mask: Tensor  # True at completion tokens: the positions scored and trained
+    loss_mask: Tensor  # True at sampled completion tokens: the positions scored and trained
     advantages: Tensor  # [n]
     engine_logp: Tensor  # [n, L] the generation engine's log-probs of the completion tokens, 0 elsewhere
     weight: float = 1.0  # 0 for the dummy micro-batches that keep ranks in step
