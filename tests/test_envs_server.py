@@ -137,6 +137,12 @@ def test_multiturn_training_runs_async_validates_episodes_and_survives_env_failu
         assert r["episode/turns_mean"] <= 2 and r["rollout/staleness"] <= 1
         assert r["episode/tokens_mean"] <= 32 and r["response/length_mean"] <= 4
     assert "val/quickstart_val/pass@1" in rows[1] and "val/quickstart_val/pass@1" in rows[3]
-    samples = (tmp_path / "quickstart_multiturn" / "eval" / "step_2" / "samples.jsonl").read_text().splitlines()
-    assert len(samples) == 12 * 4 and "<|im_start|>user\n" in json.loads(samples[0])["completion"]
+    lines = (tmp_path / "quickstart_multiturn" / "eval" / "step_2" / "samples.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
+    assert len(samples) == 12 * 4
+    for sample in samples:  # the validation plays the same environment: it fails where the answer starts with 0
+        failed = sample["answer"].startswith("0")
+        assert (sample["finish_reason"] == "error") == failed and sample["reward"] * failed == 0
+        if not failed:
+            assert f"<|im_start|>user\n{sample['answer']}<|im_end|>" in sample["completion"]
     assert (tmp_path / "quickstart_multiturn" / "checkpoints" / "step_2").is_dir()
