@@ -300,8 +300,8 @@ def test_multiturn_config_loads_with_its_limits():
     (["data.env=revel"], "data.env 'revel': ValueError: unknown environment 'revel'"),
     (["data.env=nope.module:Env"], "data.env 'nope.module:Env': ModuleNotFoundError"),
     (["data.max_turns=0"], "data.max_turns must be > 0 with data.env, got 0"),
-    (["data.max_episode_tokens=100"], "data.max_prompt_tokens (64) + data.max_episode_tokens (100) > "
-                                      "rollout.max_model_len (128)"),
+    (["data.max_episode_tokens=100"], ("data.max_prompt_tokens (64) + data.max_episode_tokens (100) > "
+                                       "rollout.max_model_len (128)")),
     (["data.env_timeout_s=0"], "data.env_timeout_s must be > 0"),
     (["rollout.overlong_buffer=2"], "rollout.overlong_buffer is per completion"),
     # Each turn of each episode has an engine seed of its own: 4096 x 2 x 200 > 2**20 per request.

@@ -24,7 +24,7 @@ from apmpo.eval.__main__ import main as eval_main
 from apmpo.eval.run import Sampling
 from apmpo.quickstart import build_tokenizer, make_samples, save_quickstart_model
 from apmpo.rollout.launcher import start_server
-from train_runs import ROOT, metrics, run, train_command
+from train_runs import metrics, run, train_command
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent

@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from apmpo.envs import get_env
 from apmpo.envs.chat import TemplateError, Transcript

@@ -15,7 +15,8 @@ So the values logged at step k are what
         --k 1,<eval.k> --seeds <train.seed> [--reward <eval.reward>] --out DIR
 
 reports for that checkpoint (with data.env, add --env <data.env> --max-turns <data.max_turns> --max-episode-tokens
-<data.max_episode_tokens>: every sample is then an episode, eval.max_tokens per turn). Each validation's samples are kept in runs/<name>/eval/step_<k>/samples.jsonl.
+<data.max_episode_tokens>: every sample is then an episode, eval.max_tokens per turn). Each validation's samples
+are kept in runs/<name>/eval/step_<k>/samples.jsonl.
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
             T = episodes.limits.max_turns
             first = seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G * T)
             played, summary = episodes.run(client, [samples[i] for i in chosen for _ in range(G)],
-                                           lambda e, t: seeding.turn_seed(first, e, T, t),
+                                           lambda e, t, first=first, T=T: seeding.turn_seed(first, e, T, t),
                                            Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens,
                                                     tuple(stop_token_ids)))
             times["generate"] += summary["generate_seconds"]
