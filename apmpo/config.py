@@ -122,6 +122,12 @@ class DataConfig:
     # images given as relative paths: resolved here (None: the data file's folder)
     image_root: str | None = path_field(None)
     seed: int = ranged(0, "[0, 2**32 - 1]")  # data order; resumable
+    # Multi-turn episodes (apmpo.envs): an environment answers between the policy's turns and gives the reward
+    # (`reward` is then unused): "reveal", "calculator" or your "pkg.module:Class". None: single-turn completions.
+    env: str | None = None
+    max_turns: int = ranged(2, "[1, 1024]")  # policy turns per episode
+    max_episode_tokens: int = ranged(1024, "[1, 2**20]")  # after the first prompt: sampled and environment tokens
+    env_timeout_s: float = ranged(10.0, "(0, 86400]")  # each environment call; past it the episode scores 0, counted
 
 
 # rollout.reward_step_timeout_s's default, in item time-outs: hung items time out side by side (apmpo.rewards.batch),
@@ -320,8 +326,10 @@ class Config:
                 "one of the first two or raise the third")
         _check_correction(self)
         _check_servers(self)
+        _check_episodes(self)
+        turns = self.data.max_turns if self.data.env else 1  # each turn of each episode has a seed of its own
         layout_error = seeding.check_training(t.seed, t.steps, r.max_sampling_rounds if r.dynamic_sampling else 1,
-                                              self.samples_per_step)
+                                              self.samples_per_step * turns)
         if layout_error:
             raise ConfigError(layout_error)
         _check_eval(self)
@@ -367,7 +375,15 @@ def _check_sources(cfg: Config) -> None:
         elif not Path(train).expanduser().exists() and (train.endswith(DATA_SUFFIXES) or not HUB_ID.match(train)):
             raise ConfigError(f"data.train {train!r}: no such file, and not a built-in dataset "
                               f"({', '.join(sorted(BUILTIN))}, quickstart) or a hub id (org/name)")
-    _check_reward(cfg.data.reward)
+    if cfg.data.env is not None:
+        from apmpo.envs import get_env  # noqa: PLC0415
+
+        try:
+            get_env(cfg.data.env)
+        except Exception as exc:  # noqa: BLE001  (any import failure of the user's module is a config error)
+            raise ConfigError(f"data.env {cfg.data.env!r}: {type(exc).__name__}: {exc}") from None
+    else:
+        _check_reward(cfg.data.reward)
     if cfg.rollout.weight_sync in ("nccl", "cuda_ipc") and not torch.cuda.is_available():
         raise ConfigError(f"rollout.weight_sync: {cfg.rollout.weight_sync} needs CUDA, which this machine lacks; "
                           "use auto (gloo or shm on CPU)")
@@ -448,6 +464,19 @@ def _check_servers(cfg: Config) -> None:
                           f"server's group in rollout.devices={r.devices!r}, or be left unset")
 
 
+def _check_episodes(cfg: Config) -> None:
+    d, r = cfg.data, cfg.rollout
+    if d.env is None:
+        return
+    if d.max_prompt_tokens + d.max_episode_tokens > r.max_model_len:
+        raise ConfigError(f"data.max_prompt_tokens ({d.max_prompt_tokens}) + data.max_episode_tokens "
+                          f"({d.max_episode_tokens}) > rollout.max_model_len ({r.max_model_len}): the longest episodes "
+                          "could not be played; lower one of the first two or raise the third")
+    if r.overlong_buffer:
+        raise ConfigError("rollout.overlong_buffer is per completion of rollout.max_tokens, not per episode: set it "
+                          "to 0 with data.env")
+
+
 def _check_correction(cfg: Config) -> None:
     c, r = cfg.correction, cfg.rollout
     if c.mode != "off" and (r.top_p < 1.0 or r.top_k > 0):
@@ -515,8 +544,14 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     name = loss.get("name", LossConfig.name) if isinstance(loss, dict) else None
     entry = POLICY_LOSSES.get(name) if isinstance(name, str) else None  # other values fail in _build, naming the key
     if entry is not None and entry.needs_token_budget and loss.get("token_budget") is None:
-        # Dr. GRPO's constant: the generation budget per sequence, as TRL's max_completion_length.
-        data["loss"] = {**loss, "token_budget": (data.get("rollout") or {}).get("max_tokens", RolloutConfig.max_tokens)}
+        # Dr. GRPO's constant: the generation budget per sequence, as TRL's max_completion_length; of an episode,
+        # the tokens its turns may sample.
+        budget = (data.get("rollout") or {}).get("max_tokens", RolloutConfig.max_tokens)
+        d = data.get("data") or {}
+        if d.get("env") is not None and all(isinstance(d.get(k, 1), int) for k in ("max_turns", "max_episode_tokens")):
+            budget = min(budget * d.get("max_turns", DataConfig.max_turns),
+                         d.get("max_episode_tokens", DataConfig.max_episode_tokens))
+        data["loss"] = {**loss, "token_budget": budget}
     config = _build(Config, data, prefix="", source=source)
     return config.validate(check_sources)
 

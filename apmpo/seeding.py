@@ -14,6 +14,11 @@ The ranges are checked (ValueError naming the limit); `check_training` does it o
 
     seed = train_request_seed(run_seed=0, step=12, round_=1, num_samples=512 * 8)  # client.generate(..., seed=seed)
     seed = eval_request_seed(eval_seed=0, first_problem=128, n=16, num_problems=128)
+
+Multi-turn episodes (apmpo.envs) send each turn of each episode with a seed of its own (the server's per-prompt
+`seeds`): episode e's turn t draws with `first + e * max_turns + t`, where `first` is the seed of a single-turn
+request for max_turns times as many samples (`turn_seed`). So a turn's draw depends on its episode and turn only,
+never on which other episodes are still running, and with max_turns 1 it is the single-turn seed.
 """
 from __future__ import annotations
 
@@ -57,3 +62,11 @@ def check_training(run_seed: int, steps: int, rounds: int, num_samples: int) -> 
         if not 0 <= value <= maximum:
             return f"{key} = {value} is outside the engine-seed layout (apmpo/seeding.py): at most {maximum}"
     return None
+
+
+def turn_seed(first: int, episode: int, max_turns: int, turn: int) -> int:
+    """The seed of turn `turn` (0 first) of episode `episode` of a request whose seed range starts at `first` and
+    was sized for episodes x max_turns samples (train_request_seed / eval_request_seed)."""
+    if not 0 <= turn < max_turns:
+        raise ValueError(f"turn {turn} outside [0, max_turns={max_turns})")
+    return first + episode * max_turns + turn

@@ -7,6 +7,7 @@ them with the training rewards (apmpo.rewards), report Pass@1 and Pass@k as mean
     python -m apmpo.eval --model M --benchmarks bird_dev=dev.json --task sql --db-root dev_databases --out DIR
     python -m apmpo.eval --model M --benchmarks math500 --n 8 --seeds 0 --diversity --out DIR
     python -m apmpo.eval --model M --benchmarks data/x.jsonl --reward my_pkg.rewards:score --out DIR     # your reward
+    python -m apmpo.eval --model M --benchmarks quickstart_val --env reveal --max-turns 2 --out DIR   # episodes
 
 Writes DIR/samples.jsonl (one line per sample), DIR/results.json and DIR/results.md (the paper's Table 1
 layout; python -m apmpo.eval.table puts several DIRs in one table). A rerun with the same DIR generates only
@@ -81,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "registry name (math, sql, choice, quickstart) or pkg.module:function, as data.reward in training")
     r.add_argument("--reward-workers", type=int, default=min(os.cpu_count() or 1, 8))
     r.add_argument("--reward-timeout-s", type=float, default=10.0, help="per item; a timeout scores 0, as in training")
+    e = p.add_argument_group("multi-turn episodes (apmpo.envs): each sample is an episode, scored by its environment")
+    e.add_argument("--env", default=None, help="environment: reveal, calculator or pkg.module:Class, as data.env")
+    e.add_argument("--max-turns", type=int, default=2, help="policy turns per episode (--max-tokens: per turn)")
+    e.add_argument("--max-episode-tokens", type=int, default=4096,
+                   help="tokens after the first prompt, sampled and the environment's together")
+    e.add_argument("--env-timeout-s", type=float, default=10.0, help="each environment call; past it the episode "
+                   "scores 0, as in training")
     v = p.add_argument_group("diversity (the paper's appendix)")
     v.add_argument("--diversity", action="store_true", help="Self-BLEU, ACS (and the LLM judge) on MATH500")
     v.add_argument("--diversity-n", type=int, default=8, help="samples per MATH500 prompt")
@@ -108,7 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
               (args.diversity_n >= 2, "--diversity-n must be >= 2"), (args.batch_prompts >= 1, "--batch-prompts >= 1"),
               (args.num_servers >= 1, "--num-servers must be >= 1"),
-              (args.server is None or args.num_servers == 1, "--num-servers starts servers: not with --server")]
+              (args.server is None or args.num_servers == 1, "--num-servers starts servers: not with --server"),
+              (args.max_turns >= 1 and args.max_episode_tokens >= 1 and args.env_timeout_s > 0,
+               "--max-turns, --max-episode-tokens and --env-timeout-s must be > 0"),
+              (args.env is None or args.reward is None, "--env scores its episodes: not with --reward"),
+              (args.env is None or not args.diversity, "--diversity is for single-turn samples: not with --env")]
     for ok, message in checks:
         if not ok:
             p.error(message)
@@ -154,6 +166,16 @@ def check_reward(name: str) -> None:
         raise EvalError(f"--reward {name!r}: {type(error).__name__}: {error}") from None
 
 
+def check_env(name: str) -> None:
+    """The environment resolves here as training resolves data.env (apmpo.envs.get_env), before any server."""
+    from apmpo.envs import get_env  # noqa: PLC0415
+
+    try:
+        get_env(name)
+    except Exception as error:  # noqa: BLE001  (any import failure of the user's module is a bad --env)
+        raise EvalError(f"--env {name!r}: {type(error).__name__}: {error}") from None
+
+
 def log(message: str) -> None:
     print(f"[apmpo.eval] {message}", file=sys.stderr, flush=True)
 
@@ -175,12 +197,16 @@ def evaluate(args: argparse.Namespace) -> dict:
     model = resolve_model(args.model)
     if args.reward is not None:
         check_reward(args.reward)
+    if args.env is not None:
+        check_env(args.env)
     benchmarks = resolve_benchmarks(args.benchmarks, limit=args.limit, task=args.task, fields=args.fields,
                                     db_root=args.db_root, split=args.split, system_prompt=args.system_prompt,
                                     reward=args.reward)
     check_settings(args.out, {"model": model, "temperature": args.temperature, "top_p": args.top_p,
                               "top_k": args.top_k, "max_tokens": args.max_tokens, "system_prompt": args.system_prompt,
-                              "seeding": seeding.EVAL_SCHEME, "reward": args.reward})
+                              "seeding": seeding.EVAL_SCHEME, "reward": args.reward, "env": args.env,
+                              **({"max_turns": args.max_turns, "max_episode_tokens": args.max_episode_tokens}
+                                 if args.env else {"max_turns": None, "max_episode_tokens": None})})
     store = SampleStore(args.out / "samples.jsonl")
 
     # ------------------------------------------------------------------ what to generate: (benchmark, seed, n)
@@ -210,7 +236,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         "label": args.label or default_label(args.model), "model": model, "engine": engine,
         "settings": {"n": args.n, "seeds": args.seeds, "k": args.k, "temperature": args.temperature,
                      "top_p": args.top_p, "top_k": args.top_k, "max_tokens": args.max_tokens, "limit": args.limit,
-                     "system_prompt": args.system_prompt, "benchmarks": [b.name for b in benchmarks]},
+                     "system_prompt": args.system_prompt, "benchmarks": [b.name for b in benchmarks],
+                     **({"env": args.env, "max_turns": args.max_turns, "max_episode_tokens": args.max_episode_tokens}
+                        if args.env else {})},
         "benchmarks": summaries, "average": average(summaries, args.k),
     }
     if diversity_bench is not None:
@@ -236,6 +264,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
     except (OSError, ValueError) as error:
         raise EvalError(f"cannot load the tokenizer of {model}: {error}") from None
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_tokens, stop_token_ids(model, tokenizer))
+    episodes = None
     start_kwargs = ({"ready_timeout_s": args.server_timeout} if args.server else
                     {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,
                      "max_model_len": args.max_model_len, "dtype": args.dtype, "num_servers": args.num_servers,
@@ -253,6 +282,13 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
         if args.server and info["model"] != model:
             log(f"warning: the server serves {info['model']!r}; prompts are encoded with the tokenizer of {model!r}")
         log(f"server ready in {time.monotonic() - tick:.0f} s")
+        if args.env is not None:
+            from apmpo.envs import get_env  # noqa: PLC0415
+            from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner  # noqa: PLC0415
+
+            episodes = EpisodeRunner(get_env(args.env), tokenizer, EpisodeLimits(
+                args.max_turns, args.max_episode_tokens, max_prompt_tokens=info["max_model_len"] - 1,
+                max_model_len=info["max_model_len"], timeout_s=args.env_timeout_s))
         tick = time.monotonic()
         generated = failures = 0
         for benchmark in dict.fromkeys(b for b, _, _ in jobs):  # one progress bar per benchmark
@@ -266,7 +302,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
                       dynamic_ncols=True) as bar:
                 for seed, n in own:
                     counts = generate_benchmark(client, benchmark, prompt_ids, seed, n, sampling, store, pool.score,
-                                                args.batch_prompts, bar.update)
+                                                args.batch_prompts, bar.update, episodes=episodes)
                     generated += counts["samples"]
                     failures += counts["reward_failures"]
         if failures:

@@ -29,7 +29,8 @@ QUICKSTART_VAL = "quickstart_val"  # the CPU quickstart's held-out prompts (apmp
 KNOWN = [*BUILTIN, QUICKSTART_VAL]
 BATCH_PROMPTS = 128  # problems per generation request
 # The settings that decide what a sample is; a rerun into the same --out must not change them.
-GENERATION_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "system_prompt", "seeding", "reward")
+GENERATION_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "system_prompt", "seeding", "reward", "env",
+                   "max_turns", "max_episode_tokens")
 
 
 class EvalError(Exception):
@@ -236,26 +237,51 @@ class Sampling:
 
 def generate_benchmark(client, benchmark: Benchmark, prompt_ids: list[list[int]], seed: int, n: int,
                        sampling: Sampling, store: SampleStore, score: Callable, batch_prompts: int,
-                       on_done: Callable[[int], None] = lambda count: None) -> dict:
-    """Generates and scores the samples of `benchmark` under `seed` that `store` lacks; returns counts."""
+                       on_done: Callable[[int], None] = lambda count: None, episodes=None) -> dict:
+    """Generates and scores the samples of `benchmark` under `seed` that `store` lacks; returns counts. With
+    `episodes` (apmpo.envs.episodes.EpisodeRunner) each sample is an episode of its environment, which scores it:
+    its row's completion is the episode's text after the first prompt, num_tokens its sampled tokens."""
     todo = missing_problems(store, benchmark.name, len(benchmark.records), seed, n)
     counts = {"prompts": 0, "samples": 0, "reward_failures": 0}
     for chunk in contiguous_chunks(todo, batch_prompts):
-        outputs = client.generate([prompt_ids[i] for i in chunk], n=n, temperature=sampling.temperature,
-                                  top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
-                                  seed=seeding.eval_request_seed(seed, chunk[0], n, len(chunk)),
-                                  stop_token_ids=list(sampling.stop_token_ids))
-        todo_samples = [(i, j, out) for i, outs in zip(chunk, outputs) for j, out in enumerate(outs)
-                        if (benchmark.name, i, seed, j) not in store]
-        scores, summary = score(benchmark.reward, [out.text for _, _, out in todo_samples],
-                                [benchmark.records[i] for i, _, _ in todo_samples])
+        if episodes is None:
+            played, summary = _complete(client, benchmark, prompt_ids, chunk, seed, n, sampling, store, score)
+        else:
+            played, summary = _play(episodes, client, benchmark, chunk, seed, n, sampling, store)
         store.add([{
             "benchmark": benchmark.name, "index": i, "seed": seed, "sample": j, "id": benchmark.records[i]["id"],
-            "completion": out.text, "answer": benchmark.records[i]["answer"], "correct": reward >= 1.0,
-            "reward": reward, "num_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
-        } for (i, j, out), reward in zip(todo_samples, scores)])
+            "completion": text, "answer": benchmark.records[i]["answer"], "correct": reward >= 1.0,
+            "reward": reward, "num_tokens": num_tokens, "finish_reason": finish_reason,
+        } for i, j, text, reward, num_tokens, finish_reason in played])
         counts["prompts"] += len(chunk)
-        counts["samples"] += len(todo_samples)
+        counts["samples"] += len(played)
         counts["reward_failures"] += summary["failures"]
         on_done(len(chunk))
     return counts
+
+
+def _complete(client, benchmark: Benchmark, prompt_ids: list[list[int]], chunk: list[int], seed: int, n: int,
+              sampling: Sampling, store: SampleStore, score: Callable) -> tuple[list[tuple], dict]:
+    """The chunk's missing single-turn samples, scored: (index, sample, text, reward, tokens, finish reason)."""
+    outputs = client.generate([prompt_ids[i] for i in chunk], n=n, temperature=sampling.temperature,
+                              top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
+                              seed=seeding.eval_request_seed(seed, chunk[0], n, len(chunk)),
+                              stop_token_ids=list(sampling.stop_token_ids))
+    todo = [(i, j, out) for i, outs in zip(chunk, outputs) for j, out in enumerate(outs)
+            if (benchmark.name, i, seed, j) not in store]
+    scores, summary = score(benchmark.reward, [out.text for _, _, out in todo], [benchmark.records[i] for i, _, _ in todo])
+    return [(i, j, out.text, reward, len(out.token_ids), out.finish_reason)
+            for (i, j, out), reward in zip(todo, scores)], summary
+
+
+def _play(episodes, client, benchmark: Benchmark, chunk: list[int], seed: int, n: int, sampling: Sampling,
+          store: SampleStore) -> tuple[list[tuple], dict]:
+    """The chunk's missing samples as episodes. Turn t of sample j of problem i draws with the seed of sample
+    j * max_turns + t of the problem's n * max_turns (apmpo.seeding.turn_seed): it depends on nothing else."""
+    todo = [(i, j) for i in chunk for j in range(n) if (benchmark.name, i, seed, j) not in store]
+    T = episodes.limits.max_turns
+    played, summary = episodes.run(
+        client, [benchmark.records[i] for i, _ in todo],
+        lambda e, t: seeding.turn_seed(seeding.eval_request_seed(seed, todo[e][0], n * T, 1), todo[e][1], T, t),
+        sampling)
+    return [(i, j, e.text, e.reward, e.num_sampled, e.finish_reason) for (i, j), e in zip(todo, played)], summary

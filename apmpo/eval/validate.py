@@ -14,7 +14,9 @@ So the values logged at step k are what
         --temperature <eval.temperature> --top-p <eval.top_p> --max-tokens <eval.max_tokens> [--limit <eval.limit>] \\
         --k 1,<eval.k> --seeds <train.seed> [--reward <eval.reward>] --out DIR
 
-reports for that checkpoint. Each validation's samples are kept in runs/<name>/eval/step_<k>/samples.jsonl.
+reports for that checkpoint (with data.env, add --env <data.env> --max-turns <data.max_turns> --max-episode-tokens
+<data.max_episode_tokens>: every sample is then an episode, eval.max_tokens per turn). Each validation's samples
+are kept in runs/<name>/eval/step_<k>/samples.jsonl.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import time
 from typing import Callable
 
 from apmpo.data import stop_token_ids
+from apmpo.envs.episodes import EpisodeRunner
 from apmpo.eval.metrics import summarize_benchmark
 from apmpo.eval.run import (BATCH_PROMPTS, SampleStore, Sampling, encode_benchmark, generate_benchmark,
                             resolve_benchmarks)
@@ -38,6 +41,7 @@ class Validation:
         self.benchmarks = resolve_benchmarks(e.benchmarks, limit=e.limit, reward=e.reward)
         self.prompt_ids = [encode_benchmark(b, tokenizer, cfg.rollout.max_model_len) for b in self.benchmarks]
         self.sampling = Sampling(e.temperature, e.top_p, -1, e.max_tokens, stop_token_ids(model_path, tokenizer))
+        self.episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: the benchmarks' samples are episodes
 
     def run(self, client, score: Callable, step: int) -> dict[str, float]:
         """Metrics `val/<benchmark>/{pass@1, pass@k, length_mean, truncated_frac}`, `val/reward_failures` and
@@ -52,7 +56,7 @@ class Validation:
         try:
             for benchmark, prompt_ids in zip(self.benchmarks, self.prompt_ids):
                 counts = generate_benchmark(client, benchmark, prompt_ids, self.seed, self.n, self.sampling, store,
-                                            score, BATCH_PROMPTS)
+                                            score, BATCH_PROMPTS, episodes=self.episodes)
                 failures += counts["reward_failures"]
                 rows = store.select(benchmark.name, len(benchmark.records), [self.seed], self.n)
                 summary = summarize_benchmark(rows, self.n, [self.seed], self.ks)

@@ -31,22 +31,32 @@ MICRO_BATCH_OVERHEAD_TOKENS = 512
 
 @dataclass
 class Rollout:
-    """One sampled completion of one prompt."""
+    """One sampled completion of one prompt, or one multi-turn episode (apmpo.envs): then the completion holds each
+    turn's sampled ids and the environment's ids between them, and `sampled` tells them apart."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    engine_logprobs: list[float]  # the generation engine's log-prob of each completion token
-    finish_reason: str  # "stop" | "length"
+    engine_logprobs: list[float]  # the generation engine's log-prob of each completion token (0.0 where not sampled)
+    finish_reason: str  # "stop" | "length" (episodes: "error" too, when the environment failed)
     group: int  # index of its prompt in the step's batch
     reward: float = 0.0
     advantage: float = 0.0
     # Vision-language prompts (apmpo.data.vision.VisionInputs.model_inputs), else None: pixel_values [P, D],
     # image_grid_thw [I, 3], mm_token_type_ids [len(prompt_ids)]. prompt_ids then holds the expanded image pads.
     mm: dict[str, Tensor] | None = None
+    # Per completion token, True where the policy sampled it: the only tokens the loss sees (an episode's environment
+    # tokens are context, never trained on). None: every completion token was sampled.
+    sampled: list[bool] | None = None
+    weight_versions: list[int] = field(default_factory=list)  # of the server weights that sampled each turn
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        """The completion tokens the loss sees."""
+        return len(self.completion_ids) if self.sampled is None else sum(self.sampled)
 
 
 @dataclass
@@ -74,7 +84,7 @@ class MicroBatch:
     indices: list[int]  # rollout indices in the step's batch
     input_ids: Tensor  # prompt then completion, right-padded
     attention_mask: Tensor  # 1 on real tokens
-    loss_mask: Tensor  # True at completion tokens: the positions scored and trained
+    loss_mask: Tensor  # True at sampled completion tokens: the positions scored and trained
     advantages: Tensor  # [n]
     engine_logp: Tensor  # [n, L] the generation engine's log-probs of the completion tokens, 0 elsewhere
     weight: float = 1.0  # 0 for the dummy micro-batches that keep ranks in step
@@ -215,7 +225,7 @@ class OptimizerStep:
 
     micro: list[list[list[int]]]  # micro[rank][k]: rollout indices of that rank's k-th micro-batch ([]: a dummy)
     num_seqs: int  # sequences in this optimiser step, all ranks together: the loss's global normalisers
-    num_tokens: int  # completion tokens in it, all ranks together
+    num_tokens: int  # sampled completion tokens in it, all ranks together (the loss's tokens)
 
     @property
     def indices(self) -> list[int]:
@@ -241,7 +251,7 @@ def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_bu
                     for s in shard_by_tokens(indices, lengths, world_size)]
         count = max(len(m) for m in per_rank)
         plan.append(OptimizerStep([equalize(m, count) for m in per_rank], len(indices),
-                                  sum(len(rollouts[i].completion_ids) for i in indices)))
+                                  sum(rollouts[i].num_sampled for i in indices)))
     return plan
 
 
@@ -260,6 +270,9 @@ def collate(rollouts: list[Rollout], indices: list[int], pad_id: int) -> MicroBa
     ends = torch.tensor([r.num_tokens for r in rows])[:, None]
     attention_mask = (position < ends).long()
     loss_mask = (position >= torch.tensor([len(r.prompt_ids) for r in rows])[:, None]) & (position < ends)
+    if any(r.sampled is not None for r in rows):  # episodes: the environment's tokens are not the policy's
+        loss_mask &= torch.tensor([[False] * len(r.prompt_ids) + (r.sampled or [True] * len(r.completion_ids))
+                                   + [False] * (width - r.num_tokens) for r in rows])
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     return MicroBatch(chosen, input_ids, attention_mask, loss_mask, advantages, engine_logp, weight,
                       extras=_vision_extras(rows, width))

@@ -19,6 +19,8 @@ import torch
 from apmpo.config import RolloutConfig
 from apmpo.data.vision import VisionInputs
 from apmpo import seeding
+from apmpo.envs.episodes import EpisodeRunner
+from apmpo.eval.run import Sampling
 from apmpo.learner.batching import Rollout, StepRollouts
 from apmpo.loss import LossConfig, adaptive_params, advantages_for
 
@@ -70,58 +72,63 @@ def overlong_penalty(length: int, cfg: RolloutConfig) -> float:
 
 def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]], samples: list[dict],
                      score: ScoreFn, cfg: RolloutConfig, loss: LossConfig, *, run_seed: int, step: int,
-                     stop_token_ids: list[int], vision: VisionInputs | None = None) -> StepRollouts:
-    """Generates and scores until the batch is full; the seconds spent go to .times ("generate", "reward").
-    Engine seeds come from apmpo.seeding (run seed, step, round): no two requests of a run share one, and
-    evaluation draws from another range. Generation stops at `stop_token_ids`, as in evaluation.
+                     stop_token_ids: list[int], vision: VisionInputs | None = None,
+                     episodes: EpisodeRunner | None = None) -> StepRollouts:
+    """Generates and scores until the batch is full; the seconds spent go to .times ("generate", "reward", and
+    "env" for episodes). Engine seeds come from apmpo.seeding (run seed, step, round): no two requests of a run
+    share one, and evaluation draws from another range. Generation stops at `stop_token_ids`, as in evaluation.
     Scoring takes at most `cfg.reward_step_timeout_s` over all rounds; raises RuntimeError when more than
     MAX_FAILED_FRAC of the step's rewards failed. With `vision`, prompts' images go to the engine, and each
-    rollout carries its prompt with expanded image pads and its images' model inputs (Rollout.mm)."""
+    rollout carries its prompt with expanded image pads and its images' model inputs (Rollout.mm). With `episodes`,
+    each of the G samples of a prompt is a multi-turn episode of its environment (apmpo.envs), which also gives its
+    reward (`score` is not used): failed environment calls count as failed rewards. Each environment call is bounded
+    by the runner's timeout (at most max_turns + 1 calls per episode, an episode's calls in turn, all at once)."""
+    if episodes is not None and vision is not None:
+        raise ValueError("multi-turn episodes (data.env) do not take images yet")
     B, G = cfg.prompts_per_step, cfg.group_size
-    times = {"generate": 0.0, "reward": 0.0}
-    sampler_before, weight_version = sampler.state_dict(), None
+    times = {"generate": 0.0, "reward": 0.0, **({"env": 0.0} if episodes else {})}
+    sampler_before = sampler.state_dict()
     kept: list[list[Rollout]] = []
-    raw_rewards, lengths, truncated, rounds, failures, first_error = [], [], 0, 0, 0, None
+    raw_rewards, rounds, failures, first_error = [], 0, 0, None
+    lengths, truncated, turns, episode_tokens = [], 0, 0, []
     last_round: list[list[Rollout]] = []
     while len(kept) < B and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         chosen = sampler.take(B)
-        tick = time.perf_counter()
-        images = [vision.image_bytes(samples[i]) for i in chosen] if vision else None
-        outputs = client.generate([prompt_ids[i] for i in chosen], n=G, temperature=cfg.temperature,
-                                  top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
-                                  seed=seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G),
-                                  stop_token_ids=stop_token_ids, images=images)
-        flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
-        weight_version = min([out.weight_version for _, out in flat] + ([] if weight_version is None else [weight_version]))
-        times["generate"] += time.perf_counter() - tick
-        tick = time.perf_counter()
-        rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat],
-                                 deadline=time.monotonic() + cfg.reward_step_timeout_s - times["reward"],
-                                 # past this many, the check below stops the run whatever the other items score
-                                 max_failures=math.floor(MAX_FAILED_FRAC * (len(raw_rewards) + len(flat))) - failures)
-        times["reward"] += time.perf_counter() - tick
-        raw_rewards += rewards
+        if episodes is None:
+            # Past this many failures, the check below stops the run whatever the other items score.
+            tolerable = math.floor(MAX_FAILED_FRAC * (len(raw_rewards) + len(chosen) * G)) - failures
+            flat, summary = _complete(client, chosen, prompt_ids, samples, score, cfg, times,
+                                      seed=seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G),
+                                      stop_token_ids=stop_token_ids, vision=vision, max_failures=tolerable)
+        else:
+            T = episodes.limits.max_turns
+            first = seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G * T)
+            played, summary = episodes.run(client, [samples[i] for i in chosen for _ in range(G)],
+                                           lambda e, t, first=first, T=T: seeding.turn_seed(first, e, T, t),
+                                           Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens,
+                                                    tuple(stop_token_ids)))
+            times["generate"] += summary["generate_seconds"]
+            times["env"] += summary["env_seconds"]
+            turns += summary["turns"]
+            flat = [Rollout(e.prompt_ids, e.completion_ids, e.logprobs, e.finish_reason, group=-1, reward=e.reward,
+                            sampled=e.sampled, weight_versions=e.weight_versions) for e in played]
+        raw_rewards += [r.reward for r in flat]
         failures += summary["failures"]
         first_error = first_error or summary["first_error"]
         if failures > MAX_FAILED_FRAC * len(raw_rewards):
             raise RuntimeError(
                 f"reward scoring failed for {failures} of {len(raw_rewards)} completions this step (errors, "
-                f"crashes, time-outs past rollout.reward_timeout_s or rollout.reward_step_timeout_s); the first: "
-                f"{first_error}. The reward function looks broken: stopping rather than training on zeros")
-        last_round = []
-        for g, i in enumerate(chosen):
-            group = []
-            prompt, mm = vision.model_inputs(samples[i], prompt_ids[i]) if vision else (prompt_ids[i], {})
-            for j in range(G):
-                out, reward = flat[g * G + j][1], rewards[g * G + j]
-                lengths.append(len(out.token_ids))
-                truncated += out.finish_reason == "length"
-                group.append(Rollout(prompt, list(out.token_ids), list(out.logprobs), out.finish_reason,
-                                     group=-1, reward=reward + overlong_penalty(len(out.token_ids), cfg),
-                                     mm=mm or None))
-            last_round.append(group)
-            if not cfg.dynamic_sampling or len({r.reward for r in group}) > 1:
-                kept.append(group)
+                f"crashes, time-outs past rollout.reward_timeout_s or rollout.reward_step_timeout_s"
+                f"{', or data.env_timeout_s' if episodes else ''}); the first: {first_error}. The "
+                f"{'environment' if episodes else 'reward function'} looks broken: stopping rather than training "
+                "on zeros")
+        for r in flat:
+            lengths.append(r.num_sampled)
+            episode_tokens.append(len(r.completion_ids))
+            truncated += r.finish_reason == "length"
+            r.reward += overlong_penalty(r.num_sampled, cfg)
+        last_round = [flat[g * G:(g + 1) * G] for g in range(len(chosen))]
+        kept += [group for group in last_round if not cfg.dynamic_sampling or len({r.reward for r in group}) > 1]
         rounds += 1
     kept = kept[:B] if kept else last_round  # nothing informative after the cap: train on the last round
     rewards = torch.tensor([[r.reward for r in group] for group in kept])
@@ -132,8 +139,10 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     for g, group in enumerate(kept):
         for j, rollout in enumerate(group):
             rollout.group, rollout.advantage = g, float(advantages[g, j])
-            if not (cfg.mask_truncated and rollout.finish_reason == "length") and rollout.completion_ids:
+            if not (cfg.mask_truncated and rollout.finish_reason == "length") and rollout.num_sampled:
                 rollouts.append(rollout)
+    # The oldest weights that sampled any turn of the batch: its staleness in asynchronous training.
+    versions = [v for group in kept for r in group for v in r.weight_versions]
     raw = torch.tensor(raw_rewards)
     metrics = {
         "reward/mean": raw.mean().item(),
@@ -147,7 +156,36 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         "rollout/trained_sequences": len(rollouts),
         "rollout/informative_groups_frac": (advantages.abs().sum(1) > 0).float().mean().item(),
     }
-    return StepRollouts(rollouts, rewards, params, metrics, times, weight_version, sampler_before)
+    if episodes is not None:  # response/length_mean counts the sampled tokens; these, the whole episode
+        metrics |= {"episode/turns_mean": turns / len(lengths), "episode/tokens_mean": sum(episode_tokens) / len(episode_tokens)}
+    return StepRollouts(rollouts, rewards, params, metrics, times, min(versions, default=-1), sampler_before)
+
+
+def _complete(client, chosen: list[int], prompt_ids: list[list[int]], samples: list[dict], score: ScoreFn,
+              cfg: RolloutConfig, times: dict[str, float], *, seed: int, stop_token_ids: list[int],
+              vision: VisionInputs | None, max_failures: int) -> tuple[list[Rollout], dict]:
+    """One round of single-turn completions: G per chosen prompt, generated and scored (prompt-major order)."""
+    G = cfg.group_size
+    tick = time.perf_counter()
+    images = [vision.image_bytes(samples[i]) for i in chosen] if vision else None
+    outputs = client.generate([prompt_ids[i] for i in chosen], n=G, temperature=cfg.temperature, top_p=cfg.top_p,
+                              top_k=cfg.top_k, max_tokens=cfg.max_tokens, seed=seed, stop_token_ids=stop_token_ids,
+                              images=images)
+    times["generate"] += time.perf_counter() - tick
+    tick = time.perf_counter()
+    flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
+    rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat],
+                             deadline=time.monotonic() + cfg.reward_step_timeout_s - times["reward"],
+                             max_failures=max_failures)
+    times["reward"] += time.perf_counter() - tick
+    rollouts = []
+    for g, i in enumerate(chosen):
+        prompt, mm = vision.model_inputs(samples[i], prompt_ids[i]) if vision else (prompt_ids[i], {})
+        for j in range(G):
+            out = flat[g * G + j][1]
+            rollouts.append(Rollout(prompt, list(out.token_ids), list(out.logprobs), out.finish_reason, group=-1,
+                                    reward=rewards[g * G + j], mm=mm or None, weight_versions=[out.weight_version]))
+    return rollouts, summary
 
 
 class RolloutStream:

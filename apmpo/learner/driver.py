@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from apmpo.config import Config, save_config
 from apmpo.data import stop_token_ids
+from apmpo.envs.episodes import EpisodeRunner
 from apmpo.eval.validate import Validation
 from apmpo.learner.batching import Rollout
 from apmpo.learner.checkpoint import save_best
@@ -89,9 +90,11 @@ class Driver(contextlib.ExitStack):
             self.push(engine.module)
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
         stop_ids = stop_token_ids(self.model_path, tokenizer)  # as in evaluation
+        episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: multi-turn episodes, else None
         self.stream = RolloutStream(lambda step: collect_rollouts(
             self.client, self.sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss, run_seed=cfg.train.seed,
-            step=step, stop_token_ids=stop_ids, vision=vision), cfg.train.max_staleness, cfg.train.steps)
+            step=step, stop_token_ids=stop_ids, vision=vision, episodes=episodes), cfg.train.max_staleness,
+            cfg.train.steps)
         self.callback(self.stream.close)
 
     def next_batch(self, step: int) -> Batch:

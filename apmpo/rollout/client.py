@@ -112,13 +112,17 @@ class GenerationClient:
 
     def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_tokens: int = 512, seed: int | None = None, stop_token_ids: list[int] | None = None,
-                 top_k: int = -1, images: list[list[bytes]] | None = None) -> list[list[Sample]]:
+                 top_k: int = -1, images: list[list[bytes]] | None = None,
+                 seeds: list[int] | None = None) -> list[list[Sample]]:
         """prompts as token ids; returns outs[prompt][sample]. Every sampling parameter is sent explicitly.
+        seeds: one per prompt instead of `seed` (prompt i's samples: seeds[i] + j).
         images[i]: prompt i's encoded images (PNG/JPEG bytes) for a vision-language model, one <|image_pad|>
         per image in the prompt (apmpo.data.vision.VisionInputs.encode / image_bytes)."""
         body = {"prompts": [list(map(int, p)) for p in prompts], "n": n, "temperature": temperature,
                 "top_p": top_p, "top_k": top_k, "max_tokens": max_tokens, "seed": seed,
                 "stop_token_ids": list(stop_token_ids or [])}
+        if seeds is not None:
+            body["seeds"] = [int(s) for s in seeds]
         if images is not None:
             body["images"] = [[base64.b64encode(image).decode() for image in row] for row in images]
         response = self._request("POST", "/generate", json=body, timeout_s=self.timeout_s)

@@ -61,7 +61,8 @@ class ServerPool:
 
     def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_tokens: int = 512, seed: int | None = None, stop_token_ids: list[int] | None = None,
-                 top_k: int = -1, images: list[list[bytes]] | None = None) -> list[list[Sample]]:
+                 top_k: int = -1, images: list[list[bytes]] | None = None,
+                 seeds: list[int] | None = None) -> list[list[Sample]]:
         """As GenerationClient.generate. The first server that fails ends the call with its error (naming its URL);
         the others finish their chunks meanwhile, unread."""
         bounds = [len(prompts) * k // len(self.clients) for k in range(len(self.clients) + 1)]
@@ -69,7 +70,8 @@ class ServerPool:
         futures = {in_thread(functools.partial(
             client.generate, prompts[start:end], n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
             seed=None if seed is None else seed + start * n, stop_token_ids=stop_token_ids, top_k=top_k,
-            images=None if images is None else images[start:end])): client for client, start, end in chunks}
+            images=None if images is None else images[start:end],
+            seeds=None if seeds is None else seeds[start:end])): client for client, start, end in chunks}
         for future in concurrent.futures.as_completed(futures):
             if future.exception() is not None:
                 raise _naming(futures[future].url, future.exception())

@@ -76,6 +76,9 @@ class GenerateRequest(_Strict):
     max_tokens: int = Field(ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0)  # prompt i uses seed + i * n, its samples seed + i * n + j
+    # Or one seed per prompt (its samples: seeds[i] + j): multi-turn episodes draw each turn with the seed of the
+    # episode and turn, whichever other episodes share the request (apmpo.envs).
+    seeds: list[int] | None = None
     # Vision-language models: images[i] are prompt i's images, base64 PNG/JPEG, in the order of its image pads;
     # the prompt holds ONE <|image_pad|> per image (the engine expands it).
     images: list[list[str]] | None = None
@@ -88,6 +91,9 @@ class GenerateRequest(_Strict):
             raise ValueError(f"n must be 1 with temperature 0 (greedy samples are all the same), got n={self.n}")
         if self.seed is not None and self.seed + len(self.prompts) * self.n - 1 > MAX_SEED:
             raise ValueError(f"seed: the last sample's seed, seed + prompts * n - 1, exceeds {MAX_SEED}")
+        if self.seeds is not None and (self.seed is not None or len(self.seeds) != len(self.prompts)
+                                       or not all(0 <= s <= MAX_SEED - self.n + 1 for s in self.seeds)):
+            raise ValueError(f"seeds: one per prompt, each in [0, {MAX_SEED} - n + 1], and not with seed")
         return self
 
 
@@ -294,7 +300,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
             compat.sampling_params(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                    max_tokens=req.max_tokens, stop_token_ids=req.stop_token_ids,
                                    never_sample=never_sample,
-                                   seed=None if req.seed is None else req.seed + i * req.n)
+                                   seed=req.seeds[i] if req.seeds is not None
+                                   else None if req.seed is None else req.seed + i * req.n)
             for i in range(len(req.prompts))
         ]
         # The engine runs in a thread; this coroutine watches the connection meanwhile, so that a client that gives

@@ -1,0 +1,246 @@
+"""Plays episodes: the generation server samples every running episode's turn in one request, then each
+environment answers its own turn, until every episode is done or out of turns or tokens.
+
+    runner = EpisodeRunner(get_env("reveal"), tokenizer, EpisodeLimits(max_turns=2, max_episode_tokens=64,
+                           max_prompt_tokens=64, max_model_len=128, timeout_s=10.0))   # or .from_config(cfg, ...)
+    episodes, summary = runner.run(client, samples, seed_of=lambda episode, turn: ..., sampling=sampling)
+
+An Episode holds what the learner trains on (module docstring of apmpo.envs); `summary` counts the environment's
+failures as RewardPool.score counts a reward's ("errors", "timeouts", their total "failures", "first_error") and
+adds the seconds spent generating and in the environment, and the turns played.
+
+Each environment call (the class's construction with `reset`, then each `step`) runs in a daemon thread of its
+own, all of a turn's calls at once, and is waited for at most `timeout_s` (or until `deadline`). A call past that
+is abandoned: its episode ends with reward 0, counted as a timeout, and its thread, which Python cannot stop, is
+left to finish or not (as a daemon it never holds the process at exit). An environment that blocks the GIL in C
+code cannot be bounded so; one that may do that belongs in a process of its own, behind its `step`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from apmpo.envs import get_env
+from apmpo.envs.chat import TemplateError, Transcript
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int  # policy turns
+    max_episode_tokens: int  # after the first prompt: sampled and environment tokens together
+    max_prompt_tokens: int  # of the first prompt; longer: the episode fails (counted)
+    max_model_len: int  # of the engine: a turn's prompt plus its sampled tokens fit in it
+    timeout_s: float  # each environment call
+
+
+@dataclass
+class Episode:
+    """One played episode. completion_ids follow prompt_ids: each turn's sampled ids and the environment's ids."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)  # per completion token: True where the policy sampled it
+    logprobs: list[float] = field(default_factory=list)  # the engine's, per completion token (0.0 where not sampled)
+    weight_versions: list[int] = field(default_factory=list)  # of the weights that sampled each turn
+    reward: float = 0.0  # the last reward `step` returned; 0.0 if none, or if the environment failed
+    finish_reason: str | None = None  # "stop" (the environment ended it), "length" (turns or tokens) or "error"
+    text: str = ""  # the completion as text: decoded sampled ids and rendered environment messages
+    error: str | None = None
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.sampled)
+
+
+class EpisodeRunner:
+    def __init__(self, env_cls: type, tokenizer: Any, limits: EpisodeLimits):
+        self.env_cls, self.tokenizer, self.limits = env_cls, tokenizer, limits
+        self._logged_failure = False
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer) -> "EpisodeRunner | None":
+        """The runner of a training config's data.env (apmpo.config.Config), None without one."""
+        d = cfg.data
+        if d.env is None:
+            return None
+        return cls(get_env(d.env), tokenizer, EpisodeLimits(d.max_turns, d.max_episode_tokens, d.max_prompt_tokens,
+                                                             cfg.rollout.max_model_len, d.env_timeout_s))
+
+    def run(self, client, samples: Sequence[dict], seed_of: Callable[[int, int], int], sampling,
+            deadline: float | None = None) -> tuple[list[Episode], dict]:
+        """Plays one episode per sample (repeat a sample for several). `seed_of(episode, turn)`: the engine seed of
+        that turn (apmpo.seeding.turn_seed); `sampling` (apmpo.eval.run.Sampling): each turn's temperature, top_p,
+        top_k, max_tokens and stop_token_ids.
+        Raises TemplateError when the chat template cannot be extended by appending (apmpo.envs.chat)."""
+        limits = self.limits
+        summary = {"n": len(samples), "errors": 0, "timeouts": 0, "first_error": None, "turns": 0,
+                   "generate_seconds": 0.0, "env_seconds": 0.0}
+        episodes = [Episode([]) for _ in samples]
+        envs: list[Any] = [None] * len(samples)
+        chats: list[Transcript | None] = [None] * len(samples)
+
+        def fail(k: int, kind: str, message: str) -> None:
+            episodes[k].finish_reason, episodes[k].reward, episodes[k].error = "error", 0.0, message
+            summary[kind] += 1
+            summary["first_error"] = summary["first_error"] or message
+            if not self._logged_failure:
+                self._logged_failure = True
+                logger.warning("environment failed (%s; later failures are only counted): %s", kind, message)
+
+        # ------------------------------------------------------------ reset
+        tick = time.perf_counter()
+        results = _call_all([lambda s=s: _start(self.env_cls, s) for s in samples], limits.timeout_s, deadline)
+        summary["env_seconds"] += time.perf_counter() - tick
+        for k, (status, value) in enumerate(results):
+            if status != "ok":
+                fail(k, status, f"reset: {value}")
+                continue
+            envs[k], first = value
+            try:
+                chats[k] = Transcript(self.tokenizer, _as_messages(first))
+            except TemplateError:
+                raise
+            except Exception as error:  # noqa: BLE001  (a malformed first prompt is the environment's failure)
+                fail(k, "errors", f"reset: {type(error).__name__}: {error}")
+                continue
+            episodes[k].prompt_ids = list(chats[k].ids)
+            if len(chats[k].ids) > limits.max_prompt_tokens:
+                fail(k, "errors", f"reset: a first prompt of {len(chats[k].ids)} tokens > data.max_prompt_tokens="
+                                  f"{limits.max_prompt_tokens}")
+
+        # ------------------------------------------------------------ turns
+        for turn in range(limits.max_turns):
+            for k, episode in enumerate(episodes):
+                if episode.finish_reason is None and len(chats[k].ids) >= limits.max_model_len:
+                    episode.finish_reason = "length"  # the engine has no room for another token
+            active = [k for k, e in enumerate(episodes) if e.finish_reason is None]
+            if not active:
+                break
+            tick = time.perf_counter()
+            stop = list(sampling.stop_token_ids)
+            longest = max(len(chats[k].ids) for k in active)
+            outputs = client.generate([chats[k].ids for k in active], n=1, temperature=sampling.temperature,
+                                      top_p=sampling.top_p, top_k=sampling.top_k,
+                                      max_tokens=min(sampling.max_tokens, limits.max_model_len - longest),
+                                      seeds=[seed_of(k, turn) for k in active], stop_token_ids=stop)
+            summary["generate_seconds"] += time.perf_counter() - tick
+            summary["turns"] += len(active)
+            actions = []
+            for k, (out,) in zip(active, outputs):
+                episode = episodes[k]
+                room = limits.max_episode_tokens - len(episode.completion_ids)
+                ids = list(out.token_ids[:room])
+                actions.append(chats[k].add_sampled(ids, stop))
+                episode.completion_ids += ids
+                episode.sampled += [True] * len(ids)
+                episode.logprobs += list(out.logprobs[:room])
+                episode.weight_versions.append(out.weight_version)
+
+            tick = time.perf_counter()
+            results = _call_all([lambda env=envs[k], a=a: env.step(a) for k, a in zip(active, actions)],
+                                limits.timeout_s, deadline)
+            summary["env_seconds"] += time.perf_counter() - tick
+            for k, (status, value) in zip(active, results):
+                episode = episodes[k]
+                if status != "ok":
+                    fail(k, status, f"step: {value}")
+                    continue
+                try:
+                    observation, reward, done = _check_step(value)
+                except (TypeError, ValueError) as error:
+                    fail(k, "errors", f"step: {error}")
+                    continue
+                if reward is not None:
+                    episode.reward = reward
+                if done:
+                    episode.finish_reason = "stop"
+                    continue
+                if turn + 1 == limits.max_turns or len(episode.completion_ids) >= limits.max_episode_tokens:
+                    episode.finish_reason = "length"
+                    continue
+                try:
+                    env_ids = chats[k].add_message(_as_message(observation))
+                except TemplateError:
+                    raise
+                except Exception as error:  # noqa: BLE001  (e.g. a role the template refuses)
+                    fail(k, "errors", f"step: the observation does not render: {type(error).__name__}: {error}")
+                    continue
+                if len(episode.completion_ids) + len(env_ids) >= limits.max_episode_tokens:
+                    episode.finish_reason = "length"  # no room left for the policy's next turn
+                    continue
+                episode.completion_ids += env_ids
+                episode.sampled += [False] * len(env_ids)
+                episode.logprobs += [0.0] * len(env_ids)
+
+        for k, episode in enumerate(episodes):
+            episode.finish_reason = episode.finish_reason or "length"
+            if chats[k] is not None:
+                episode.text = self.tokenizer.decode(episode.completion_ids, skip_special_tokens=False,
+                                                     clean_up_tokenization_spaces=False)
+        summary["failures"] = summary["errors"] + summary["timeouts"]
+        return episodes, summary
+
+
+def _start(env_cls: type, sample: dict) -> tuple[Any, Any]:
+    env = env_cls()
+    return env, env.reset(sample)
+
+
+def _call_all(calls: list[Callable[[], Any]], timeout_s: float, deadline: float | None) -> list[tuple[str, Any]]:
+    """Runs the calls at once, one daemon thread each; ("ok", value), ("errors", message) for a call that raised,
+    or ("timeouts", message) for one still running after timeout_s (or at `deadline`, a time.monotonic() value)."""
+    results: list[tuple[str, Any] | None] = [None] * len(calls)
+
+    def target(k: int) -> None:
+        try:
+            results[k] = ("ok", calls[k]())
+        except BaseException as error:  # noqa: BLE001  (any failure of the environment ends only its episode)
+            results[k] = ("errors", f"{type(error).__name__}: {error}"[:500])
+
+    threads = [threading.Thread(target=target, args=(k,), name="env", daemon=True) for k in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    end = time.monotonic() + timeout_s if deadline is None else min(time.monotonic() + timeout_s, deadline)
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    done = list(results)  # a late thread may still write: what is read now is final
+    return [r if r is not None else ("timeouts", f"ran past {timeout_s:g} s") for r in done]
+
+
+def _as_message(observation: Any) -> dict:
+    if isinstance(observation, str):
+        return {"role": "user", "content": observation}
+    if isinstance(observation, dict) and isinstance(observation.get("role"), str) \
+            and isinstance(observation.get("content"), str):
+        return observation
+    raise TypeError(f"an observation must be a str or a {{'role': str, 'content': str}} message, got "
+                    f"{type(observation).__name__} {observation!r:.60}")
+
+
+def _as_messages(first: Any) -> list[dict]:
+    if isinstance(first, (list, tuple)) and first:
+        return [_as_message(m) for m in first]
+    return [_as_message(first)]
+
+
+def _check_step(value: Any) -> tuple[Any, float | None, bool]:
+    """step's (observation, reward or None, done), checked: a finite number or None, and a bool."""
+    if not (isinstance(value, tuple) and len(value) == 3):
+        raise TypeError(f"step must return (observation, reward or None, done), got {type(value).__name__} "
+                        f"{value!r:.60}")
+    observation, reward, done = value
+    if not isinstance(done, bool):
+        raise TypeError(f"step's done must be a bool, got {type(done).__name__} {done!r:.30}")
+    if reward is not None:
+        if isinstance(reward, (str, bytes)) or not hasattr(reward, "__float__"):
+            raise TypeError(f"step's reward must be a number or None, got {type(reward).__name__} {reward!r:.30}")
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"step's reward must be finite, got {reward}")
+    return observation, reward, done

@@ -1,0 +1,45 @@
+"""Environments that fail, for the tests of apmpo.envs (named as a user names theirs: module:Class, with tests/ on
+PYTHONPATH). Each fails on the samples whose answer starts with "0" (about one in ten quickstart prompts) and
+plays the reveal task (apmpo/envs/reveal.py) on the others."""
+import math
+import time
+
+from apmpo.envs.reveal import RevealEnv
+
+
+def _fails(sample: dict) -> bool:
+    return sample["answer"].startswith("0")
+
+
+class RaisesInReset(RevealEnv):
+    def reset(self, sample):
+        if _fails(sample):
+            raise RuntimeError("reset failed on purpose")
+        return super().reset(sample)
+
+
+class RaisesInStep(RevealEnv):
+    def step(self, action):
+        if _fails(self.sample):
+            raise KeyError("step failed on purpose")
+        return super().step(action)
+
+
+class HangsInStep(RevealEnv):
+    def step(self, action):
+        if _fails(self.sample) and self.revealed:  # the second step: after a turn of the episode was played
+            time.sleep(3600)
+        return super().step(action)
+
+
+class ReturnsGarbage(RevealEnv):
+    def step(self, action):
+        if _fails(self.sample):
+            return [self.sample["answer"], math.nan]
+        return super().step(action)
+
+
+class NaNReward(RevealEnv):
+    def step(self, action):
+        observation, reward, done = super().step(action)
+        return observation, math.nan if _fails(self.sample) and done else reward, done
