@@ -65,6 +65,7 @@ class RolloutConfig:
     max_tokens: int = 1024
     url: str | None = None  # use a running generation server instead of starting one
     urls: list[str] | None = None  # several running servers (other nodes too): the prompts are spread over them
+    ready_timeout_s: float = 30.0  # how long the run waits for rollout.url(s) to answer; its own: their engine's load
     num_servers: int = 1  # servers to start; each step's prompts are spread over them, weights pushed to all
     # CUDA_VISIBLE_DEVICES of the servers it starts, one group per server separated by ";": "3" (one server on
     # GPU 3), "4;5;6;7" (four one-GPU servers), "4,5;6,7" (two servers with TP 2). None: CPU or shared GPU

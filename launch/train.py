@@ -63,7 +63,8 @@ def main(cfg: Config, resume: str) -> None:
             # rank 0's GPU: vLLM sizes its KV cache from the free memory it measures while it loads. One server
             # (a GenerationClient), or several (a ServerPool: prompts spread over them, weights to all).
             server = stack.enter_context(serve(
-                model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
+                model_path, url=r.url, urls=r.urls, url_ready_timeout_s=r.ready_timeout_s,
+                token=os.environ.get("APMPO_SERVER_TOKEN") or None,
                 log_path=run_dir / "server.log", devices=r.devices,
                 num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,

@@ -24,7 +24,7 @@ import torch
 
 from apmpo.rollout.net import is_loopback
 from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Transport, WeightGroup, holds_in_place, pack_in_place,
-                                       plan_buckets, select_transport, send_buckets)
+                                       plan_buckets, select_transport, send_buckets, sweep_orphan_segments)
 
 # How often a starting server is asked whether it is ready: it refuses connections until its engine is loaded,
 # so asking is cheap, and each poll interval is start-up time lost on average by half.
@@ -69,6 +69,7 @@ class GenerationClient:
             self._session.headers["Authorization"] = f"Bearer {token}"
         self._group: WeightGroup | None = None
         self._info: dict[str, Any] | None = None
+        sweep_orphan_segments()  # of learners killed while sharing weights with a server
         self.last_push: dict[str, Any] = {}  # the last push_weights: transport, bytes, seconds, engine's reload_s/wait_s
 
     # --- HTTP ---
@@ -95,15 +96,20 @@ class GenerationClient:
         return response.json()
 
     def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        """Polls /ready until the engine is loaded; returns /info."""
+        """Polls /ready until the engine is loaded (a starting server refuses connections until then); returns
+        /info."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 self._request("GET", "/ready", timeout_s=5.0, retries=0)
                 return self.info()
-            except ServerUnavailable:
+            except ServerUnavailable as error:
                 if time.monotonic() > deadline:
-                    raise ServerUnavailable(f"generation server at {self.url} not ready after {timeout_s:.0f} s") from None
+                    silent = isinstance(error.__cause__, requests.Timeout)
+                    raise ServerUnavailable(
+                        f"generation server at {self.url} not ready after {timeout_s:g} s: "
+                        + ("it accepts connections but does not answer" if silent else "nothing answers there")
+                        + f" ({type(error.__cause__).__name__})") from None
                 time.sleep(READY_POLL_S)
 
     def info(self) -> dict[str, Any]:
@@ -137,6 +143,7 @@ class GenerationClient:
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if not named:
             raise ValueError("push_weights got no tensors")
+        refuse_non_finite(named)
         engine_dtype = getattr(torch, info["dtype"])
         buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
                                 for name, t in named), self.bucket_bytes)
@@ -168,7 +175,8 @@ class GenerationClient:
                           retries=0)
             try:
                 send_buckets(group, buckets, tensors)
-            except Exception:
+            except Exception as error:
+                group.give_up(f"{type(error).__name__}: {error}")  # the workers stop waiting for our bytes now
                 self._close_group()  # the group's state is unknown; the next push builds a fresh one
                 raise
             finally:
@@ -222,6 +230,19 @@ class GenerationClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raises ValueError naming the first tensor that holds NaN or infinity: the learner skips steps whose
+    gradient norm is not finite, so such weights are a bug (or a learning rate of inf), and the engine must not
+    generate from them. One pass over the weights and one device sync."""
+    floating = [(name, tensor) for name, tensor in named if tensor.is_floating_point()]
+    if not floating:
+        return
+    finite = torch.stack([tensor.isfinite().all() for _, tensor in floating])
+    if not finite.all():
+        name = floating[int((~finite).nonzero()[0])][0]
+        raise ValueError(f"weight push refused: {name!r} holds NaN or infinite values (a diverged update?)")
 
 
 def _local_address_towards(server_host: str) -> str:

@@ -253,16 +253,18 @@ def cpu_server_threads(model: str, num_servers: int, learner_computes_meanwhile:
 @contextlib.contextmanager
 def serve(model: str | None = None, *, url: str | None = None, urls: list[str] | None = None,
           token: str | None = None, log_path: str | Path = "server.log", devices: str | None = None,
-          num_servers: int = 1, **start_kwargs) -> Iterator[ServerProcess | ServerSet]:
-    """Connects to `url` (or each of `urls`) if given, waiting until ready, else starts servers on `model`: one per
-    device group of `devices`, or `num_servers` without devices. Yields a ServerProcess for one server, a ServerSet
-    for several (their logs: server.0.log, server.1.log, ... beside `log_path`); stops what it started."""
+          num_servers: int = 1, url_ready_timeout_s: float = 30.0,
+          **start_kwargs) -> Iterator[ServerProcess | ServerSet]:
+    """Connects to `url` (or each of `urls`) if given, waiting until ready (at most `url_ready_timeout_s`: they
+    are running servers, or ones still loading), else starts servers on `model`: one per device group of
+    `devices`, or `num_servers` without devices. Yields a ServerProcess for one server, a ServerSet for several
+    (their logs: server.0.log, server.1.log, ... beside `log_path`); stops what it started."""
     urls = urls or ([url] if url is not None else [])
     if urls:
         servers = [ServerProcess(u, token) for u in urls]
         for server in servers:
             with server.client() as client:
-                client.wait_ready(timeout_s=start_kwargs.get("ready_timeout_s", 300.0))
+                client.wait_ready(timeout_s=url_ready_timeout_s)
     elif model is not None:
         groups = server_groups(devices, num_servers)
         log_path = Path(log_path)
