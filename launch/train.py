@@ -47,10 +47,11 @@ from apmpo.learner.prepare import load_prompts, load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
 from apmpo.loss import AdaptiveParams, adaptive_params, policy_loss
 from apmpo.rewards import RewardPool, get_reward
-from apmpo.rollout.launcher import serve
+from apmpo.rollout.launcher import follow_deepspeed_runner, serve
 
 
 def main(cfg: Config, resume: str) -> None:
+    follow_deepspeed_runner()  # a run whose `deepspeed` runner is stopped goes down with it
     is_main = int(os.environ.get("RANK", "0")) == 0  # the launcher's; the process group comes after the server
     run_dir = cfg.run_dir
     model_path = prepare_model(cfg, is_main)

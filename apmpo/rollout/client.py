@@ -176,7 +176,7 @@ class GenerationClient:
             try:
                 send_buckets(group, buckets, tensors)
             except Exception as error:
-                group.give_up(f"{type(error).__name__}: {error}")  # the workers stop waiting for our bytes now
+                group.give_up(f"the learner gave up the push: {type(error).__name__}: {error}")  # heard at once
                 self._close_group()  # the group's state is unknown; the next push builds a fresh one
                 raise
             finally:

@@ -28,6 +28,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -278,3 +279,39 @@ def serve(model: str | None = None, *, url: str | None = None, urls: list[str] |
         yield group
     finally:
         group.stop()
+
+
+def follow_deepspeed_runner(poll_s: float = 0.5, grace_s: float = 15.0) -> None:
+    """For a learner rank under `deepspeed` (its runner starts `deepspeed.launcher.launch`, which starts the
+    ranks): once the runner or the launch process is gone, the rank stops as on Ctrl-C (KeyboardInterrupt in its
+    main thread: the servers and the reward workers are stopped on the way out), and exits after `grace_s` if it
+    has not by then (its servers follow it, apmpo.rollout.server.follow_launcher). On one node the runner forwards
+    no signal: a SIGTERM or SIGINT to it alone (a job scheduler's, a supervisor's, `kill PID`) left the launch
+    process, every rank, the servers and the reward workers running. A rank started otherwise follows nothing:
+    the parent of `python launch/train.py` may be a shell that exits (nohup)."""
+    launch = os.getppid()
+    if b"deepspeed.launcher.launch" not in _read_proc(launch, "cmdline"):
+        return
+    runner = _parent_of(launch)
+
+    def watch() -> None:
+        while os.getppid() == launch and _parent_of(launch) == runner:
+            time.sleep(poll_s)
+        print(f"[apmpo] the deepspeed runner (pid {runner}) is gone: stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="follow-deepspeed-runner", daemon=True).start()
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:  # gone
+        return b""
+
+
+def _parent_of(pid: int) -> int | None:
+    stat = _read_proc(pid, "stat")
+    return int(stat.rsplit(b")", 1)[1].split()[1]) if stat else None

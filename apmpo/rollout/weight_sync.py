@@ -46,7 +46,7 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20  # on CPU 64 MiB overlapped transfer and load 
 _ALIGN = 64  # bytes; every tensor starts at a multiple, so a uint8 slice can be viewed as any dtype
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "apmpo-weights-"  # + "<the learner's pid>-<a unique id>"
-ABORT_KEY = "apmpo/abort"  # in the group's store: the learner gave up the push in flight (WeightGroup.give_up)
+ABORT_KEY = "apmpo/abort"  # in the group's store: a rank gave up the push in flight (WeightGroup.give_up)
 ABORT_POLL_S = 0.05  # how often a waiting worker asks the store for ABORT_KEY
 
 
@@ -238,28 +238,29 @@ class WeightGroup:
         return group.broadcast([buffer], dist.BroadcastOptions())  # root 0 = learner
 
     def give_up(self, reason: str) -> None:
-        """The learner: the push in flight will not complete. Its workers, waiting for bytes that will not come,
-        learn it at their next poll of the store (`wait`), rather than after the group's timeout."""
+        """This rank will not complete the push in flight. The others, waiting for bytes that will not come (the
+        workers) or to be taken (the learner), learn it at their next poll of the store (`wait`), rather than after
+        the group's timeout."""
         self.abandoned = True
         with contextlib.suppress(Exception):  # a store that is gone already tells the workers as much
             self.store.set(ABORT_KEY, reason)
 
     def wait(self, work: dist.Work) -> None:
-        """`work.wait()`, except that it raises SenderGaveUp once the learner has given up (`give_up`)."""
+        """`work.wait()`, except that it raises PushAbandoned once another rank has given up (`give_up`)."""
         while not work.is_completed():
             self.raise_if_given_up()
             time.sleep(1e-3)
         work.wait()  # raises the collective's own error, if it failed
 
     def raise_if_given_up(self) -> None:
-        """Raises SenderGaveUp if the learner has (asking its store at most every ABORT_POLL_S)."""
+        """Raises PushAbandoned if a rank has given up the push (asking the store at most every ABORT_POLL_S)."""
         now = time.monotonic()
         if now < self._asked_at + ABORT_POLL_S:
             return
         self._asked_at = now
         if self.store.check([ABORT_KEY]):
             self.abandoned = True
-            raise SenderGaveUp(f"the learner gave up the push: {self.store.get(ABORT_KEY).decode()}")
+            raise PushAbandoned(self.store.get(ABORT_KEY).decode())
 
     def barrier(self, failed: bool = False) -> bool:
         """Waits for every rank; returns whether any of them reported `failed` (so no rank waits on one that
@@ -334,8 +335,8 @@ class NonFiniteWeights(ValueError):
     """A push held NaN or infinite values (the learner refuses to send them: a bypass, or a bug)."""
 
 
-class SenderGaveUp(RuntimeError):
-    """The learner gave up the push this worker was receiving (WeightGroup.give_up)."""
+class PushAbandoned(RuntimeError):
+    """Another rank of the weight group gave up the push in flight (WeightGroup.give_up)."""
 
 
 _abandoned: list[tuple[float, list]] = []  # (monotonic time after which they may go, process groups)
@@ -410,8 +411,8 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.
         if group.transport == "cuda_ipc":
             _send_ipc_handle(group, packed)  # synchronous: the worker has copied the bucket when it returns
             continue
-        if pending is not None:
-            pending.wait()
+        if pending is not None:  # on GPU the stream waits (wait_done at the end): packing k+1 overlaps sending k
+            pending.wait() if device.type == "cuda" else group.wait(pending)
         pending = group.broadcast(torch.tensor([k]) if group.transport == "shm" else packed)
     if pending is not None:
         wait_done(group, pending, packed.device)
@@ -525,13 +526,21 @@ class WeightReceiverExtension:
                    for c in (model_config.hf_config, model_config.hf_text_config))
         count, waited = 0, 0.0
         non_finite: list[str] = []
+        failed: list[Exception] = []
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count, waited
             received = receive_buckets(group, plan, device, in_place)
             while True:
                 start = time.perf_counter()
-                item = next(received, None)
+                try:
+                    item = next(received, None)
+                except Exception as error:  # noqa: BLE001 (raised once the reload has ended)
+                    # The bytes stopped coming. The reload ends as if the update ended here: raised inside it, the
+                    # layerwise reload left layers half-replaced, and the next one failed ("'Parameter' object
+                    # has no attribute 'weight_loader'"). Ended, layers not reached keep their old weights.
+                    failed.append(error)
+                    return
                 waited += time.perf_counter() - start
                 if item is None:
                     return
@@ -548,7 +557,14 @@ class WeightReceiverExtension:
                     yield "lm_head.weight", tensor
 
         start = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        try:
+            self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        except Exception as error:
+            failed.append(error)
+        if failed:
+            if not group.abandoned:  # the learner must not wait for this worker's part of the push any longer
+                group.give_up(f"engine worker {self.rank} gave up the push: {failed[0]!r}")
+            raise failed[0]
         seconds = time.perf_counter() - start
         logger.info("apmpo: reloaded %d tensors in %.2f s (%.2f s of it waiting for bytes)", count, seconds, waited)
         if non_finite:  # loaded all the same, so that the group stays in step; the server refuses to generate
