@@ -13,6 +13,11 @@ Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token
                           update into it, so the server loads it as begin + finish would, in one request
     POST /shutdown
 
+A push is checked against the served model before anything is loaded (every parameter, by its HF name, shape and
+the engine's dtype: 400 naming the first bad tensor). An update that fails once its load has begun (the learner gave
+up, non-finite values, an engine error) leaves a mix of old and new weights: /health, /ready and /generate answer
+503 until a complete push succeeds.
+
 The engine is not thread-safe and an update must not interleave with generation, so one lock serialises
 engine access. An update holds it from /weights/begin until its load ends (success, failure or timeout), in a
 thread of its own, so a learner that dies mid-update cannot wedge the server. A generation runs one engine step
