@@ -240,15 +240,15 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     def check_engine() -> None:
         if compat.engine_dead(llm):
             raise HTTPException(503, "the vLLM engine process is dead; restart the server")
+        step_at = state["step_at"]
+        if step_at is not None and time.monotonic() - step_at > limits.generate_timeout_s:
+            raise HTTPException(503, f"the engine has not finished a step for over {limits.generate_timeout_s:.0f} s")
         refuse_if_broken()
 
     def refuse_if_broken() -> None:
         if state["broken"] is not None:
             raise HTTPException(503, f"the engine's weights are incomplete ({state['broken']}): it generates nothing "
                                      "until a complete push succeeds")
-        step_at = state["step_at"]
-        if step_at is not None and time.monotonic() - step_at > limits.generate_timeout_s:
-            raise HTTPException(503, f"the engine has not finished a step for over {limits.generate_timeout_s:.0f} s")
 
     @app.get("/health")
     def health() -> dict[str, str]:
