@@ -145,6 +145,8 @@ class RolloutConfig:
     max_tokens: int = ranged(1024, "[1, 2**20]")
     url: str | None = None  # use a running generation server instead of starting one
     urls: list[str] | None = None  # several running servers (other nodes too): the prompts are spread over them
+    # how long the run waits for rollout.url(s) to answer; its own servers: their engines' load
+    ready_timeout_s: float = ranged(30.0, "(0, 86400]")
     # servers to start; each step's prompts are spread over them, weights pushed to all
     num_servers: int = ranged(1, "[1, 1024]")
     # CUDA_VISIBLE_DEVICES of the servers it starts, one group per server separated by ";": "3" (one server on

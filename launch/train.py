@@ -42,9 +42,11 @@ from apmpo.learner.logprobs import shares_prompts
 from apmpo.learner.prepare import load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
 from apmpo.loss import AdaptiveParams, policy_loss
+from apmpo.rollout.launcher import follow_deepspeed_runner
 
 
 def main(cfg: Config, resume: str) -> None:
+    follow_deepspeed_runner()  # a run whose `deepspeed` runner is stopped goes down with it
     is_main = int(os.environ.get("RANK", "0")) == 0  # the launcher's; the process group comes after the servers
     model_path = prepare_model(cfg, is_main)
     with contextlib.ExitStack() as stack:

@@ -15,8 +15,9 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
+from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable, client as client_module, weight_sync
 from apmpo.rollout.launcher import ServerStartError, start_server
+from apmpo.rollout.net import free_port
 from apmpo.rollout.weight_sync import SHM_DIR
 from apmpo.tiny import save_perturbed_copy
 
@@ -266,3 +267,124 @@ def test_a_push_during_generation_waits_for_it(tiny_tied, tmp_path_factory):
             assert [[s.token_ids for s in row] for row in after] != old
     finally:
         server.stop()
+
+
+# --- pushes that must not reach the engine, or not stay in it (issue 31, items 3-7) ---
+
+
+def _original(model_dir):
+    return list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+
+
+def _replaced(named, name, tensor):
+    return [(n, tensor if n == name else t) for n, t in named]
+
+
+def _health(server):
+    return requests.get(f"{server.url}/health", timeout=10)
+
+
+def test_a_push_that_does_not_fit_the_model_is_refused_before_anything_is_loaded(client, tied_server, tiny_tied):
+    named = _original(tiny_tied)
+    weights = dict(named)
+    before, version = _greedy(client), client.info()["weight_version"]
+    down = "model.layers.0.mlp.down_proj.weight"  # 128 x 256
+    for bad, message in [
+        # The last tensor at half its size: vLLM's loader asserted mid-load, then the compiled model read out of bounds
+        # on the next generate and the server died.
+        (_replaced(named, "model.norm.weight", weights["model.norm.weight"][:64]),
+         "'model.norm.weight' has shape [64]; the served model's is [128]"),
+        (_replaced(named, down, weights[down].t()), f"'{down}' has shape [256, 128]; the served model's is [128, 256]"),
+        (named + [("model.extra.weight", torch.zeros(4))], "'model.extra.weight' is not a parameter"),
+        ([("model.layers.0.mlp.upproj.weight" if n.endswith("0.mlp.up_proj.weight") else n, t) for n, t in named],
+         "'model.layers.0.mlp.upproj.weight' is not a parameter of the served model (did you mean "
+         "'model.layers.0.mlp.up_proj.weight'?)"),
+        (_replaced(named, down, weights[down].to(torch.int32)), f"'{down}' has dtype int32; the engine's is float32"),
+        (named[:1], f"a partial push: {len(named) - 1} of the served model's {len(named)} parameters are missing, "
+                    f"the first '{named[1][0]}'"),  # only the embedding: was accepted, and bumped the version
+    ]:
+        with pytest.raises(ServerError, match="400") as error:
+            client.push_weights(bad)
+        assert message in str(error.value)
+    assert client.info()["weight_version"] == version
+    assert _health(tied_server).status_code == 200
+    assert _greedy(client) == before  # the old weights, whole, and the server alive
+
+
+def test_begin_without_a_group_and_init_toward_nothing_fail_at_once(tied_server, eager_server, tiny_tied):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    # A server that has never joined a weight group (the eager one's first use): was 200, then a 500 at finish.
+    plan = weight_sync.plan_buckets(((n, t.dtype, tuple(t.shape)) for n, t in _original(tiny_tied)), 1 << 20)
+    declared = [{"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                                                  "offset": t.offset} for t in b.tensors]} for b in plan]
+    response = requests.post(f"{eager_server.url}/weights/begin", headers=headers, json={"buckets": declared},
+                             timeout=30)
+    assert response.status_code == 409 and "POST /weights/init first" in response.json()["detail"], response.text
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    response = requests.post(f"{tied_server.url}/weights/init", headers=headers, timeout=30, json={
+        "transport": "gloo", "host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": 600})
+    assert response.status_code == 502 and f"127.0.0.1:{port}" in response.json()["detail"], response.text
+    assert time.monotonic() - start < 6  # was a bare 500 after 6.8 s
+    assert _health(tied_server).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def eager_server(tiny_tied, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "eager.log"
+    server = start_server(str(tiny_tied), log_path=log, token=TOKEN, dtype="float32", max_model_len=256,
+                          extra_args=(*LIMITS, "--enforce-eager"), ready_timeout_s=300)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("which", ["tied_server", "eager_server"])
+def test_nan_weights_are_refused_and_a_full_push_restores_the_model_exactly(which, request, tiny_tied, monkeypatch):
+    server = request.getfixturevalue(which)
+    named = _original(tiny_tied)
+    poisoned = [(n, torch.full_like(t, float("nan")) if ".0.mlp." in n else t) for n, t in named]
+    with GenerationClient(server.url, token=TOKEN) as client:
+        before, version = _greedy(client), client.info()["weight_version"]
+        with pytest.raises(ValueError, match="'model.layers.0.mlp.gate_proj.weight' holds NaN"):
+            client.push_weights(poisoned)  # refused before anything is sent
+        assert client.info()["weight_version"] == version
+        # Fault injection: a client without the check. The workers load it all (the group stays in step), find
+        # the NaN, and the server generates nothing until a complete push: generating from NaN weights had left
+        # NaN in the KV cache's unused slots, which the CPU attention kernel reads (0 x NaN), so that outputs
+        # stayed wrong after the good weights were pushed back.
+        monkeypatch.setattr(client_module, "refuse_non_finite", lambda named: None)
+        with pytest.raises(ServerError, match="500.*'model.layers.0.mlp.gate_proj.weight' holds NaN"):
+            client.push_weights(poisoned)
+        assert _health(server).status_code == 503 and "incomplete" in _health(server).json()["detail"]
+        with pytest.raises(ServerError, match="503"):
+            _greedy(client)
+        assert client.push_weights(named) == version + 1
+        assert _health(server).status_code == 200
+        assert _greedy(client) == before
+
+
+def test_a_learner_error_mid_push_ends_the_update_at_once(client, tied_server, tiny_tied, monkeypatch):
+    """Named fault: packing the third bucket fails on the learner, after two were sent and loaded. The server
+    waited for the missing bytes for the group's whole timeout (600 s: 646 s in all with cuda_ipc on CPU); it now
+    hears at once that the learner gave up, and is unhealthy until a complete push."""
+    named = _original(tiny_tied)
+    before, version = _greedy(client), client.info()["weight_version"]
+    pack, packed = weight_sync.pack, []
+
+    def pack_failing_at_the_third(*args):
+        packed.append(1)
+        if len(packed) == 3:
+            raise RuntimeError("injected: the learner failed mid-push")
+        return pack(*args)
+
+    monkeypatch.setattr(weight_sync, "pack", pack_failing_at_the_third)
+    with GenerationClient(tied_server.url, token=TOKEN, transport="gloo", bucket_bytes=1 << 16) as over_gloo:
+        start = time.monotonic()
+        with pytest.raises(ServerError, match="the learner gave up the push: RuntimeError: injected"):
+            over_gloo.push_weights(named)
+        assert time.monotonic() - start < 10
+        assert _health(tied_server).status_code == 503
+        monkeypatch.setattr(weight_sync, "pack", pack)
+        assert over_gloo.push_weights(named) == version + 1
+    assert _health(tied_server).status_code == 200
+    assert _greedy(client) == before

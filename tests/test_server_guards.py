@@ -1,19 +1,26 @@
 """The generation server's guards that need no engine (issue 17): request ranges, tokens, stopping a server's
-process group whose leader is already gone."""
+process group whose leader is already gone; and (issue 31) what a push must hold, non-finite weights, orphaned shm
+segments, running servers that are not there."""
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 from fastapi import HTTPException
 from pydantic import ValidationError
 
-from apmpo.rollout.client import GenerationClient
-from apmpo.rollout.launcher import ServerProcess, start_server
+from apmpo.rollout.client import GenerationClient, ServerUnavailable
+from apmpo.rollout.launcher import ServerProcess, serve, start_server
+from apmpo.rollout.net import free_port
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
+from apmpo.rollout.weight_sync import (SEGMENT_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, plan_buckets,
+                                       sweep_orphan_segments)
 
 BASE = dict(prompts=[[1, 2, 3], [4, 5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
 
@@ -107,3 +114,69 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie waits for its reaper: it is gone
     except FileNotFoundError:
         return False
+
+
+# --- pushes: what the client refuses, what a server expects, what shared memory keeps (issue 31) ---
+
+
+def test_the_client_refuses_non_finite_weights_naming_the_first():
+    from apmpo.rollout.client import refuse_non_finite
+
+    good = [("a", torch.ones(3)), ("ids", torch.arange(3)), ("b", torch.zeros(2, dtype=torch.bfloat16))]
+    refuse_non_finite(good)
+    for bad_value in (math.nan, math.inf, -math.inf):
+        bad = good + [("c", torch.tensor([1.0, bad_value])), ("d", torch.tensor([math.nan]))]
+        with pytest.raises(ValueError, match="'c' holds NaN or infinite values"):
+            refuse_non_finite(bad)
+
+
+def test_expected_weights_of_a_tied_model_allow_but_do_not_require_the_head(tiny_tied):
+    expected = ExpectedWeights.of_model(str(tiny_tied), "float32")
+    assert expected.optional == {"lm_head.weight"}
+    assert expected.shapes["lm_head.weight"] == expected.shapes["model.embed_tokens.weight"]
+    named = [(n, torch.float32, s) for n, s in expected.shapes.items() if n != "lm_head.weight"]
+    expected.check(plan_buckets(named, 1 << 16))  # without the head, as HF named_parameters() gives it
+    expected.check(plan_buckets(named + [("lm_head.weight", torch.float32, expected.shapes["lm_head.weight"])],
+                                1 << 16))
+    with pytest.raises(BadPush, match="'model.norm.weight' is declared twice"):
+        expected.check(plan_buckets(named + named[-1:], 1 << 16))
+    with pytest.raises(BadPush, match="'model.norm.weight' ends past its bucket's 64 bytes"):
+        [bucket] = plan_buckets(named[-1:], 1 << 16)
+        expected.check(plan_buckets(named[:-1], 1 << 16) + [Bucket(64, bucket.tensors)])
+
+
+def test_segments_of_learners_that_are_gone_are_swept(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = Path(SHM_DIR) / f"{SEGMENT_PREFIX}{gone.pid}-test0001"
+    ours = Path(SHM_DIR) / f"{SEGMENT_PREFIX}{os.getpid()}-test0002"
+    other = Path(SHM_DIR) / f"{SEGMENT_PREFIX}notapid-test0003"
+    try:
+        for path in (orphan, ours, other):
+            path.write_bytes(b"\0" * 4096)
+        assert str(orphan) in sweep_orphan_segments()
+        assert not orphan.exists() and ours.exists() and other.exists()
+    finally:
+        for path in (orphan, ours, other):
+            path.unlink(missing_ok=True)
+
+
+# --- running servers that are not there (issue 31, item 12) ---
+
+
+def test_urls_where_nothing_answers_fail_within_the_ready_deadline_naming_the_url():
+    refused = f"http://127.0.0.1:{free_port()}"
+    silent = socket.socket()  # listens (the kernel completes the handshake), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        for url, reason in [(refused, "nothing answers there"),
+                            (silent_url, "it accepts connections but does not answer")]:
+            start = time.monotonic()
+            with pytest.raises(ServerUnavailable, match=f"{url} not ready after 2 s: {reason}"):
+                with serve(urls=[url], url_ready_timeout_s=2):
+                    pass
+            assert time.monotonic() - start < 10  # was 309-313 s
+    finally:
+        silent.close()

@@ -56,7 +56,8 @@ class Driver(contextlib.ExitStack):
         # server shares rank 0's GPU: vLLM sizes its KV cache from the free memory it measures while it loads.
         shares_gpu = check_devices(cfg)
         self.servers = self.enter_context(serve(
-            model_path, url=r.url, urls=r.urls, token=os.environ.get("APMPO_SERVER_TOKEN") or None,
+            model_path, url=r.url, urls=r.urls, url_ready_timeout_s=r.ready_timeout_s,
+            token=os.environ.get("APMPO_SERVER_TOKEN") or None,
             log_path=cfg.run_dir / "server.log", devices=r.devices, num_servers=r.num_servers,
             gpu_memory_utilization=gpu_memory_utilization(r.gpu_memory_utilization, shares_gpu),
             tensor_parallel_size=r.tensor_parallel_size,

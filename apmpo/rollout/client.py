@@ -24,7 +24,8 @@ import torch
 
 from apmpo.rollout.net import in_thread, is_loopback, local_address_towards
 from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, Transport, WeightGroup, holds_in_place,
-                                       pack_in_place, plan_buckets, select_transport, send_buckets)
+                                       pack_in_place, plan_buckets, select_transport, send_buckets,
+                                       sweep_orphan_segments)
 
 # How often a starting server is asked whether it is ready: it refuses connections until its engine is loaded,
 # so asking is cheap, and each poll interval is start-up time lost on average by half.
@@ -69,6 +70,7 @@ class GenerationClient:
             self._session.headers["Authorization"] = f"Bearer {token}"
         self._info: dict[str, Any] | None = None
         self._sender = WeightSender([self])
+        sweep_orphan_segments()  # of learners killed while sharing weights with a server
         self.last_push: dict[str, Any] = {}  # the last push_weights: transport, bytes, seconds, engine's reload_s/wait_s
 
     # --- HTTP ---
@@ -95,15 +97,20 @@ class GenerationClient:
         return response.json()
 
     def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        """Polls /ready until the engine is loaded; returns /info."""
+        """Polls /ready until the engine is loaded (a starting server refuses connections until then); returns
+        /info."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 self._request("GET", "/ready", timeout_s=5.0, retries=0)
                 return self.info()
-            except ServerUnavailable:
+            except ServerUnavailable as error:
                 if time.monotonic() > deadline:
-                    raise ServerUnavailable(f"generation server at {self.url} not ready after {timeout_s:.0f} s") from None
+                    silent = isinstance(error.__cause__, requests.Timeout)
+                    raise ServerUnavailable(
+                        f"generation server at {self.url} not ready after {timeout_s:g} s: "
+                        + ("it accepts connections but does not answer" if silent else "nothing answers there")
+                        + f" ({type(error.__cause__).__name__})") from None
                 time.sleep(READY_POLL_S)
 
     def info(self) -> dict[str, Any]:
@@ -184,6 +191,7 @@ class WeightSender:
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if not named:
             raise ValueError("push_weights got no tensors")
+        refuse_non_finite(named)
         engine_dtype = getattr(torch, (first._info or first.info())["dtype"])
         buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
                                 for name, t in named), first.bucket_bytes)
@@ -261,6 +269,7 @@ class WeightSender:
                     raise ServerError(f"weight update not begun on {', '.join(not_begun)}")
                 send_buckets(group, buckets, tensors)
             except Exception as caught:  # noqa: BLE001 (raised below, after the servers' own reports)
+                group.give_up(f"the learner gave up the push: {type(caught).__name__}: {caught}")  # heard at once
                 self.close()  # the group's state is unknown
                 error = caught
             # Always ask: the answer reports a server-side error, and each server's update thread ends either way.
@@ -299,3 +308,17 @@ def _host(url: str) -> str:
 def _failures(clients: list[GenerationClient], results: list[Any]) -> list[str]:
     """'url: error' for each server whose request raised."""
     return [f"{client.url}: {result}" for client, result in zip(clients, results) if isinstance(result, BaseException)]
+
+
+def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raises ValueError naming the first tensor that holds NaN or infinity: the learner skips steps whose
+    gradient norm is not finite, so such weights are a bug (or a learning rate of inf), and the engine must not
+    generate from them. One pass over the weights and one device sync."""
+    floating = [(name, tensor) for name, tensor in named if tensor.is_floating_point()]
+    if not floating:
+        return
+    finite = torch.stack([tensor.isfinite().all() for _, tensor in floating])
+    if not finite.all():
+        name = floating[int((~finite).nonzero()[0])][0]
+        raise ValueError(f"weight push refused: {name!r} holds NaN or infinite values (a diverged update?)")
+

@@ -28,6 +28,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -266,16 +267,18 @@ def cpu_server_threads(model: str, num_servers: int, overlap: bool, cores: int |
 @contextlib.contextmanager
 def serve(model: str | None = None, *, url: str | None = None, urls: list[str] | None = None,
           token: str | None = None, log_path: str | Path = "server.log", devices: str | None = None,
-          num_servers: int = 1, **start_kwargs) -> Iterator[ServerProcess | ServerSet]:
-    """Connects to `url` (or each of `urls`) if given, waiting until ready, else starts servers on `model`: one per
-    device group of `devices`, or `num_servers` without devices. Yields a ServerProcess for one server, a ServerSet
-    for several (their logs: server.0.log, server.1.log, ... beside `log_path`); stops what it started."""
+          num_servers: int = 1, url_ready_timeout_s: float = 30.0,
+          **start_kwargs) -> Iterator[ServerProcess | ServerSet]:
+    """Connects to `url` (or each of `urls`) if given, waiting until ready (at most `url_ready_timeout_s`: they
+    are running servers, or ones still loading), else starts servers on `model`: one per device group of
+    `devices`, or `num_servers` without devices. Yields a ServerProcess for one server, a ServerSet for several
+    (their logs: server.0.log, server.1.log, ... beside `log_path`); stops what it started."""
     urls = urls or ([url] if url is not None else [])
     if urls:
         servers = [ServerProcess(u, token) for u in urls]
         for server in servers:
             with server.client() as client:
-                client.wait_ready(timeout_s=start_kwargs.get("ready_timeout_s", 300.0))
+                client.wait_ready(timeout_s=url_ready_timeout_s)
     elif model is not None:
         groups = server_groups(devices, num_servers)
         log_path = Path(log_path)
@@ -289,3 +292,39 @@ def serve(model: str | None = None, *, url: str | None = None, urls: list[str] |
         yield group
     finally:
         group.stop()
+
+
+def follow_deepspeed_runner(poll_s: float = 0.5, grace_s: float = 15.0) -> None:
+    """For a learner rank under `deepspeed` (its runner starts `deepspeed.launcher.launch`, which starts the
+    ranks): once the runner or the launch process is gone, the rank stops as on Ctrl-C (KeyboardInterrupt in its
+    main thread: the servers and the reward workers are stopped on the way out), and exits after `grace_s` if it
+    has not by then (its servers follow it, apmpo.rollout.server.follow_launcher). On one node the runner forwards
+    no signal: a SIGTERM or SIGINT to it alone (a job scheduler's, a supervisor's, `kill PID`) left the launch
+    process, every rank, the servers and the reward workers running. A rank started otherwise follows nothing:
+    the parent of `python launch/train.py` may be a shell that exits (nohup)."""
+    launch = os.getppid()
+    if b"deepspeed.launcher.launch" not in _read_proc(launch, "cmdline"):
+        return
+    runner = _parent_of(launch)
+
+    def watch() -> None:
+        while os.getppid() == launch and _parent_of(launch) == runner:
+            time.sleep(poll_s)
+        print(f"[apmpo] the deepspeed runner (pid {runner}) is gone: stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="follow-deepspeed-runner", daemon=True).start()
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:  # gone
+        return b""
+
+
+def _parent_of(pid: int) -> int | None:
+    stat = _read_proc(pid, "stat")
+    return int(stat.rsplit(b")", 1)[1].split()[1]) if stat else None

@@ -13,6 +13,11 @@ Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token
                           update into it, so the server loads it as begin + finish would, in one request
     POST /shutdown
 
+A push is checked against the served model before anything is loaded (every parameter, by its HF name, shape and
+the engine's dtype: 400 naming the first bad tensor). An update that fails once its load has begun (the learner gave
+up, non-finite values, an engine error) leaves a mix of old and new weights: /health, /ready and /generate answer
+503 until a complete push succeeds.
+
 The engine is not thread-safe and an update must not interleave with generation, so one lock serialises
 engine access. An update holds it from /weights/begin until its load ends (success, failure or timeout), in a
 thread of its own, so a learner that dies mid-update cannot wedge the server. A generation runs one engine step
@@ -47,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
-from apmpo.rollout.weight_sync import Transport
+from apmpo.rollout.weight_sync import BadPush, Bucket, ExpectedWeights, Transport, sweep_orphan_segments
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
 # and they load vLLM's Qwen2-VL code too.
@@ -216,9 +221,12 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     engine = compat.engine_info(llm)
     never_sample = compat.placeholder_token_ids(llm)
     device_uuids = compat.collective_rpc(llm, "apmpo_device_uuid", rpc_timeout_s=60)
+    expected = ExpectedWeights.of_model(model, engine["dtype"])  # what every push must hold
     engine_lock = threading.Lock()
-    # update: Future of the running weight update; step_at: when a running generate last heard from the engine
-    state: dict[str, Any] = {"version": 0, "update": None, "step_at": None}
+    # update: Future of the running weight update; step_at: when a running generate last heard from the engine;
+    # group: the transport of the workers' weight group, once joined; broken: why the engine's weights are a mix
+    # (an update failed after its load began), until a complete push succeeds
+    state: dict[str, Any] = {"version": 0, "update": None, "step_at": None, "group": None, "broken": None}
 
     def authorize(request: Request) -> None:
         if token is None:
@@ -242,6 +250,12 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         step_at = state["step_at"]
         if step_at is not None and time.monotonic() - step_at > limits.generate_timeout_s:
             raise HTTPException(503, f"the engine has not finished a step for over {limits.generate_timeout_s:.0f} s")
+        refuse_if_broken()
+
+    def refuse_if_broken() -> None:
+        if state["broken"] is not None:
+            raise HTTPException(503, f"the engine's weights are incomplete ({state['broken']}): it generates nothing "
+                                     "until a complete push succeeds")
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -269,6 +283,11 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
                 raise HTTPException(499, "client closed the request")
             if time.monotonic() > wait_until:
                 raise HTTPException(503, "engine busy with a weight update; retry")
+        try:  # under the lock, which a failing update holds until it has said so
+            refuse_if_broken()
+        except HTTPException:
+            engine_lock.release()
+            raise
         deadline = time.monotonic() + limits.generate_timeout_s
 
         def should_stop() -> bool:  # asked between engine steps
@@ -321,13 +340,25 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         if req.first_rank + engine["num_workers"] > req.world_size:
             raise HTTPException(400, f"world_size {req.world_size} has no ranks {req.first_rank}.."
                                      f"{req.first_rank + engine['num_workers'] - 1} for this server's engine workers")
+        store = f"{req.host}:{req.port}"
+        try:  # the workers would retry a store they cannot reach until the timeout, then fail without its address
+            socket.create_connection((req.host, req.port), timeout=5).close()
+        except OSError as error:
+            raise HTTPException(502, f"cannot reach the learner's weight-group store at {store}: {error}") from None
         # The learner gives up on the group after timeout_s: workers that joined later would join a group gone.
         if not engine_lock.acquire(timeout=req.timeout_s):
             raise HTTPException(503, f"the engine stayed busy (generating) for the join's whole deadline, "
                                      f"{req.timeout_s:g} s: join the weight group before generating")
         try:  # blocks until the learner joins the group too, or the timeout
-            compat.collective_rpc(llm, "apmpo_init_weight_group", rpc_timeout_s=req.timeout_s + 10,
-                                  **req.model_dump())
+            state["group"] = None  # the workers leave their old group first
+            try:
+                compat.collective_rpc(llm, "apmpo_init_weight_group", rpc_timeout_s=req.timeout_s + 10,
+                                      **req.model_dump())
+            except Exception as error:
+                log.exception("joining the weight group failed")
+                raise HTTPException(502, f"the engine could not join the learner's weight group at {store}: "
+                                         f"{error!r}") from None
+            state["group"] = req.transport
         finally:
             engine_lock.release()
         return {"status": "ok"}
@@ -342,18 +373,34 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
             try:
                 timings = compat.collective_rpc(llm, "apmpo_receive_weights", rpc_timeout_s=limits.update_timeout_s,
                                                 buckets=buckets, in_place=in_place)
+            except Exception as error:
+                # Some layers may hold the new weights: no generation from the mix (on the compiled CPU model a
+                # half-loaded tensor crashed the next one) until a complete push.
+                state["broken"] = f"the last weight update failed: {error}"
+                raise
             finally:
                 # Even a failed load may have changed some layers: stale cached KV (and image embeddings) must
                 # not survive either way.
                 compat.reset_caches(llm)
+            state["broken"] = None
             state["version"] += 1
             return WeightUpdateResponse(weight_version=state["version"], **max(timings, key=lambda t: t["reload_s"]))
+
+    def check_push(req: BeginUpdateRequest) -> None:
+        """Before anything is loaded: a group to receive through, and tensors that fit the model."""
+        if state["group"] is None:
+            raise HTTPException(409, "no weight group: POST /weights/init first")
+        try:
+            expected.check([Bucket.from_json(bucket) for bucket in req.model_dump()["buckets"]])
+        except BadPush as error:
+            raise HTTPException(400, f"push refused, nothing loaded: {error}") from None
 
     @app.post("/weights/begin", dependencies=auth)
     def begin_update(req: BeginUpdateRequest) -> dict[str, str]:
         running = state["update"]
         if running is not None and not running.done():
             raise HTTPException(409, "a weight update is already running")
+        check_push(req)
         locked = threading.Event()
 
         def update() -> WeightUpdateResponse:
@@ -381,7 +428,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
         except TimeoutError:
             raise HTTPException(504, "weight update still running") from None
         except Exception as error:
-            raise HTTPException(500, f"weight update failed, engine weights may be partly updated: {error!r}") from None
+            raise HTTPException(500, f"weight update failed after its load began; the server generates nothing until a "
+                                     f"complete push: {error!r}") from None
         finally:
             if future.done():
                 state["update"] = None
@@ -390,13 +438,15 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     def load_update(req: LoadUpdateRequest) -> WeightUpdateResponse:
         # The bytes are all in place before the request, so the load needs nothing more from the learner and runs
         # in the request itself: a learner that dies meanwhile cannot wedge it. It waits behind a generate.
+        check_push(req)
         try:  # behind a begun update too: it holds the engine lock until its load ends
             return run_update(req.model_dump()["buckets"], threading.Event(), in_place=req.segment)
         except HTTPException:
             raise
         except Exception as error:
             log.exception("weight update failed")
-            raise HTTPException(500, f"weight update failed, engine weights may be partly updated: {error!r}") from None
+            raise HTTPException(500, f"weight update failed after its load began; the server generates nothing until a "
+                                     f"complete push: {error!r}") from None
 
     @app.post("/shutdown", dependencies=auth)
     def shutdown() -> dict[str, str]:
@@ -484,6 +534,8 @@ def main(argv: list[str] | None = None) -> None:
         # failed on any machine running anything else.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for path in sweep_orphan_segments():
+        log.info("removed %s: a weight segment whose learner is gone", path)
     llm = compat.build_engine(compat.EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,

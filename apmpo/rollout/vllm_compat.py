@@ -7,6 +7,7 @@ Names relied on, checked against vllm 0.32.0's source:
   default 128 (platforms/cpu.py); `vllm_config.cache_config.block_size`; `vllm.config.CompilationMode` (`.NONE`
   when eager), `vllm_config.compilation_config.mode`  config/compilation.py
 - `LLM.collective_rpc(method, timeout=, kwargs=)`, `LLM.reset_prefix_cache`  entrypoints/llm.py;
+  `llm_engine.output_processor.request_states` (internal ids), `llm_engine.abort_request(ids, internal=True)`;
   `LLM.llm_engine.reset_encoder_cache()`, `model_config.is_multimodal_model`  v1/engine/llm_engine.py
 - generation step by step, as `LLM.generate` does it (entrypoints/common/offline.py): `llm_engine.renderer.
   render_cmpl(prompts, renderer.default_cmpl_tok_params)` with `vllm.renderers.inputs.preprocess.parse_model_prompt`,
@@ -378,13 +379,22 @@ def collective_rpc(llm: vllm.LLM, method: str, rpc_timeout_s: float, **kwargs: A
     return llm.collective_rpc(method, timeout=rpc_timeout_s, kwargs=kwargs)
 
 
-def reset_caches(llm: vllm.LLM) -> bool:
+def reset_caches(llm: vllm.LLM) -> None:
     """After a weight update: the prefix cache (KV of the old weights) and, for vision-language models, the
     encoder cache (image embeddings of the old vision tower; keeping it also failed the next request with
-    "Encoder cache miss" after an in-place reload)."""
-    if llm.llm_engine.model_config.is_multimodal_model:
-        llm.llm_engine.reset_encoder_cache()
-    return llm.reset_prefix_cache()
+    "Encoder cache miss" after an in-place reload).
+
+    vLLM resets nothing while a request holds KV blocks, and says so only by returning False: the old weights'
+    blocks would then be reused. The server updates with no generation of its own running, so a request still in
+    the engine is a leftover (whose call has ended): it is aborted first, and a reset that still fails raises."""
+    engine = llm.llm_engine
+    if engine.model_config.is_multimodal_model:
+        engine.reset_encoder_cache()
+    leftovers = list(engine.output_processor.request_states)  # internal ids
+    if leftovers:
+        engine.abort_request(leftovers, internal=True)
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not reset its prefix cache: KV blocks of the old weights would be reused")
 
 
 def engine_dead(llm: vllm.LLM) -> bool:

@@ -22,7 +22,10 @@ the wire, and the worker receives k+1 while the engine loads k.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import difflib
+import glob
 import io
 import logging
 import os
@@ -42,6 +45,9 @@ Transport = Literal["gloo", "shm", "nccl", "cuda_ipc"]
 DEFAULT_BUCKET_BYTES = 64 * 2**20  # on CPU 64 MiB overlapped transfer and load better than 256 (45% vs 29%)
 _ALIGN = 64  # bytes; every tensor starts at a multiple, so a uint8 slice can be viewed as any dtype
 SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "apmpo-weights-"  # + "<the learner's pid>-<a unique id>"
+ABORT_KEY = "apmpo/abort"  # in the group's store: a rank gave up the push in flight (WeightGroup.give_up)
+ABORT_POLL_S = 0.05  # how often a waiting worker asks the store for ABORT_KEY
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,70 @@ class TensorSpec:
 class Bucket:
     nbytes: int
     tensors: tuple[TensorSpec, ...]
+
+    @classmethod
+    def from_json(cls, bucket: dict) -> Bucket:
+        """From the JSON the learner declares (BucketModel on the server)."""
+        return cls(bucket["nbytes"], tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["offset"])
+                                           for t in bucket["tensors"]))
+
+
+class BadPush(ValueError):
+    """A push that does not fit the served model; the message names the first tensor at fault."""
+
+
+@dataclass(frozen=True)
+class ExpectedWeights:
+    """What a push must hold: every parameter of the served model as the learner's HF model names it
+    (`named_parameters()`), with its shape, in the engine's dtype. Checked before anything is loaded: vLLM's
+    loader fails only partway (the served model then a mix of old and new layers), or not at all (a tensor of
+    half the size once loaded, and the compiled CPU model then read past its end and crashed the server)."""
+
+    shapes: dict[str, tuple[int, ...]]  # every parameter, tied aliases included
+    optional: frozenset[str]  # tied aliases that named_parameters() omits (lm_head.weight): allowed, not required
+    dtype: str  # the engine's: the learner casts floating tensors to it
+
+    @classmethod
+    def of_model(cls, model: str, dtype: str) -> ExpectedWeights:
+        """`model`'s parameters from its config alone (a model on the meta device: no weights are read), built
+        by the class the learner trains (apmpo.learner.engine.load_model)."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        from apmpo.data.vision import is_vision_language
+
+        auto = AutoModelForImageTextToText if is_vision_language(model) else AutoModelForCausalLM
+        with torch.device("meta"):
+            hf = auto.from_config(AutoConfig.from_pretrained(model))
+        required = {name for name, _ in hf.named_parameters()}
+        shapes = {name: tuple(p.shape) for name, p in hf.named_parameters(remove_duplicate=False)}
+        return cls(shapes, frozenset(shapes.keys() - required), dtype)
+
+    def check(self, buckets: list[Bucket]) -> None:
+        """Raises BadPush naming the first tensor that does not belong in a full push of this model, or the first
+        parameter it lacks."""
+        seen: set[str] = set()
+        for bucket in buckets:
+            for spec in bucket.tensors:
+                name = spec.name
+                if name in seen:
+                    raise BadPush(f"tensor {name!r} is declared twice")
+                seen.add(name)
+                if name not in self.shapes:
+                    near = difflib.get_close_matches(name, list(self.shapes), n=1)
+                    raise BadPush(f"tensor {name!r} is not a parameter of the served model"
+                                  + (f" (did you mean {near[0]!r}?)" if near else ""))
+                if tuple(spec.shape) != self.shapes[name]:
+                    raise BadPush(f"tensor {name!r} has shape {list(spec.shape)}; the served model's is "
+                                  f"{list(self.shapes[name])}")
+                if spec.dtype != self.dtype:
+                    raise BadPush(f"tensor {name!r} has dtype {spec.dtype}; the engine's is {self.dtype}")
+                if spec.offset + spec.nbytes > bucket.nbytes:
+                    raise BadPush(f"tensor {name!r} ends past its bucket's {bucket.nbytes} bytes")
+        missing = [name for name in self.shapes if name not in seen and name not in self.optional]
+        if missing:
+            raise BadPush(f"a partial push: {len(missing)} of the served model's "
+                          f"{len(self.shapes) - len(self.optional)} parameters are missing, the first {missing[0]!r}; "
+                          "a push must hold every parameter")
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -148,6 +218,8 @@ class WeightGroup:
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, options)
         self.segment: torch.Tensor | None = None  # shm: the mapped file the buckets are packed into
         self.segment_path = ""
+        self.abandoned = False  # a push was given up: a collective of this group may never complete
+        self._asked_at = time.monotonic()  # when a worker last asked the store whether the learner gave up
         self.nccl = None
         if transport == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -164,27 +236,52 @@ class WeightGroup:
         group = self.nccl if buffer.is_cuda and self.nccl is not None else self.gloo
         return group.broadcast([buffer], dist.BroadcastOptions())  # root 0 = learner
 
+    def give_up(self, reason: str) -> None:
+        """This rank will not complete the push in flight. The others, waiting for bytes that will not come (the
+        workers) or to be taken (the learner), learn it at their next poll of the store (`wait`), rather than after
+        the group's timeout."""
+        self.abandoned = True
+        with contextlib.suppress(Exception):  # a store that is gone already tells the workers as much
+            self.store.set(ABORT_KEY, reason)
+
+    def wait(self, work: dist.Work) -> None:
+        """`work.wait()`, except that it raises PushAbandoned once another rank has given up (`give_up`)."""
+        while not work.is_completed():
+            self.raise_if_given_up()
+            time.sleep(1e-3)
+        work.wait()  # raises the collective's own error, if it failed
+
+    def raise_if_given_up(self) -> None:
+        """Raises PushAbandoned if a rank has given up the push (asking the store at most every ABORT_POLL_S)."""
+        now = time.monotonic()
+        if now < self._asked_at + ABORT_POLL_S:
+            return
+        self._asked_at = now
+        if self.store.check([ABORT_KEY]):
+            self.abandoned = True
+            raise PushAbandoned(self.store.get(ABORT_KEY).decode())
+
     def barrier(self, failed: bool = False) -> bool:
         """Waits for every rank; returns whether any of them reported `failed` (so no rank waits on one that
         gave up)."""
         flag = torch.tensor([float(failed)])
-        self.gloo.allreduce([flag]).wait()
+        self.wait(self.gloo.allreduce([flag]))
         return bool(flag.item())
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         """Rank 0 sends `payload`; every rank returns it."""
         size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        self.gloo.broadcast([size], dist.BroadcastOptions()).wait()
+        self.wait(self.gloo.broadcast([size], dist.BroadcastOptions()))
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None \
             else torch.empty(int(size), dtype=torch.uint8)
-        self.gloo.broadcast([data], dist.BroadcastOptions()).wait()
+        self.wait(self.gloo.broadcast([data], dist.BroadcastOptions()))
         return data.numpy().tobytes()
 
     def share_segment(self, nbytes: int) -> torch.Tensor:
         """shm: the learner (re)creates a file of at least `nbytes`, the workers map it, then its name is
         unlinked, so that a crash leaks nothing. Both sides return the same memory."""
         if self.rank == 0 and (self.segment is None or self.segment.numel() < nbytes):
-            self.segment_path = f"{SHM_DIR}/apmpo-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.segment_path = f"{SHM_DIR}/{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self.segment = torch.from_file(self.segment_path, shared=True, size=nbytes, dtype=torch.uint8)
         path = self.broadcast_bytes(self.segment_path.encode() if self.rank == 0 else None).decode()
         error = None
@@ -195,9 +292,14 @@ class WeightGroup:
             else:
                 error = RuntimeError(f"{path} is not visible to the engine: it does not share /dev/shm with the "
                                      "learner (another machine or container), so use the gloo transport")
-        failed = self.barrier(failed=error is not None)
-        if self.rank == 0 and os.path.exists(path):
-            os.unlink(path)
+        try:
+            failed = self.barrier(failed=error is not None)
+        finally:
+            # The name is needed no longer once every rank has mapped the file, nor once the push has failed (the
+            # learner gone too): the first rank here unlinks it. (A learner killed before this leaves it to
+            # sweep_orphan_segments.)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         if error is not None:
             raise error
         if failed:
@@ -214,8 +316,17 @@ class WeightGroup:
         self.segment = None
         if self.rank == 0 and self.segment_path and os.path.exists(self.segment_path):
             os.unlink(self.segment_path)
-        for group in (self.nccl, self.gloo):
-            if group is not None and hasattr(group, "shutdown"):
+        groups = [group for group in (self.nccl, self.gloo) if group is not None]
+        self.nccl = self.gloo = None
+        now = time.monotonic()
+        _abandoned[:] = [(until, kept) for until, kept in _abandoned if until > now]
+        if self.abandoned:
+            # gloo's destructor waits for a collective still pending (bytes the learner never sent) until the
+            # group's timeout: the group is kept until then, so that closing it does not block the server.
+            _abandoned.append((now + self.timeout_s + 5, groups))
+            return
+        for group in groups:
+            if hasattr(group, "shutdown"):
                 group.shutdown()
 
 
@@ -231,21 +342,57 @@ def gloo_devices(rank: int, learner_host: str, env: Mapping[str, str] = os.envir
     return [{"hostname": learner_host if rank == 0 else local_address_towards(learner_host)}]
 
 
-def wait_done(work: dist.Work, device: torch.device, timeout_s: float, poll_s: float = 1e-3) -> None:
+class NonFiniteWeights(ValueError):
+    """A push held NaN or infinite values (the learner refuses to send them: a bypass, or a bug)."""
+
+
+class PushAbandoned(RuntimeError):
+    """Another rank of the weight group gave up the push in flight (WeightGroup.give_up)."""
+
+
+_abandoned: list[tuple[float, list]] = []  # (monotonic time after which they may go, process groups)
+
+
+def sweep_orphan_segments() -> list[str]:
+    """Unlinks the shm weight segments whose learner is gone, and returns their paths. A segment's name exists
+    only while the workers map it (share_segment), but a learner killed then leaves the file behind, the size of
+    the weights, and nothing else would remove it. Called where a server or a learner's client starts."""
+    removed = []
+    for path in glob.glob(f"{SHM_DIR}/{SEGMENT_PREFIX}*-*"):
+        owner = os.path.basename(path).removeprefix(SEGMENT_PREFIX).split("-")[0]
+        if owner.isdigit() and not _process_exists(int(owner)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def wait_done(group: WeightGroup, work: dist.Work, device: torch.device, poll_s: float = 1e-3) -> None:
     """Returns once the collective's bytes are in place. On NCCL `work.wait()` only makes the current stream
     wait for the transfer: the receiver would load (and the server report a new weight version) while bytes are
     still in flight, and a dead sender would hang it until NCCL's watchdog fired. So wait for the stream too,
     polling an event with a deadline (as vLLM's and TRL's receivers synchronise after their broadcasts)."""
-    work.wait()
     if device.type != "cuda":
-        return  # gloo's wait() returns when the data is there, or raises after the group's timeout
+        return group.wait(work)  # complete when the data is there; fails after the group's timeout
+    work.wait()
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + group.timeout_s
     while not done.query():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"weight transfer not complete after {timeout_s:.0f} s: the other side of the "
+            raise TimeoutError(f"weight transfer not complete after {group.timeout_s:.0f} s: the other side of the "
                                "NCCL weight group died or stalled mid-push")
+        group.raise_if_given_up()
         time.sleep(poll_s)
 
 
@@ -279,11 +426,11 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.
         if group.transport == "cuda_ipc":
             _send_ipc_handle(group, packed)  # synchronous: the worker has copied the bucket when it returns
             continue
-        if pending is not None:
-            pending.wait()
+        if pending is not None:  # on GPU the stream waits (wait_done at the end): packing k+1 overlaps sending k
+            pending.wait() if device.type == "cuda" else group.wait(pending)
         pending = group.broadcast(torch.tensor([k]) if group.transport == "shm" else packed)
     if pending is not None:
-        wait_done(pending, packed.device, group.timeout_s)
+        wait_done(group, pending, packed.device)
 
 
 def holds_in_place(group: WeightGroup, buckets: list[Bucket]) -> bool:
@@ -341,7 +488,7 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], device: torch.dev
     for k, bucket in enumerate(buckets):
         buffer, work = upcoming
         if work is not None:
-            wait_done(work, buffer.device, group.timeout_s)
+            wait_done(group, work, buffer.device)
         upcoming = start(k + 1) if k + 1 < len(buckets) else None
         yield from unpack(buffer, bucket)
 
@@ -387,26 +534,36 @@ class WeightReceiverExtension:
         group = getattr(self, "_apmpo_group", None)
         if group is None:
             raise RuntimeError("no weight group: call init first")
-        plan = [Bucket(b["nbytes"], tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["offset"])
-                                           for t in b["tensors"])) for b in buckets]
+        plan = [Bucket.from_json(b) for b in buckets]
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         names = {t.name for b in plan for t in b.tensors}
         model_config = self.model_runner.model_config  # a vision-language model sets the tie on its top config
         tied = any(getattr(c, "tie_word_embeddings", False)
                    for c in (model_config.hf_config, model_config.hf_text_config))
         count, waited = 0, 0.0
+        non_finite: list[str] = []
+        failed: list[Exception] = []
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count, waited
             received = receive_buckets(group, plan, device, in_place)
             while True:
                 start = time.perf_counter()
-                item = next(received, None)
+                try:
+                    item = next(received, None)
+                except Exception as error:  # noqa: BLE001 (raised once the reload has ended)
+                    # The bytes stopped coming. The reload ends as if the update ended here: raised inside it, the
+                    # layerwise reload left layers half-replaced, and the next one failed ("'Parameter' object
+                    # has no attribute 'weight_loader'"). Ended, layers not reached keep their old weights.
+                    failed.append(error)
+                    return
                 waited += time.perf_counter() - start
                 if item is None:
                     return
                 name, tensor = item
                 count += 1
+                if tensor.is_floating_point() and not non_finite and not torch.isfinite(tensor).all():
+                    non_finite.append(name)
                 yield name, tensor
                 # HF named_parameters() of a tied model omits lm_head.weight. The in-place reload replaces each
                 # layer's parameters, which breaks the tie, so the head must be fed explicitly or it keeps the
@@ -416,7 +573,16 @@ class WeightReceiverExtension:
                     yield "lm_head.weight", tensor
 
         start = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        try:
+            self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        except Exception as error:
+            failed.append(error)
+        if failed:
+            if not group.abandoned:  # the learner must not wait for this worker's part of the push any longer
+                group.give_up(f"engine worker {self.rank} gave up the push: {failed[0]!r}")
+            raise failed[0]
         seconds = time.perf_counter() - start
         logger.info("apmpo: reloaded %d tensors in %.2f s (%.2f s of it waiting for bytes)", count, seconds, waited)
+        if non_finite:  # loaded all the same, so that the group stays in step; the server refuses to generate
+            raise NonFiniteWeights(f"tensor {non_finite[0]!r} holds NaN or infinite values")
         return {"reload_s": seconds, "wait_s": waited}
