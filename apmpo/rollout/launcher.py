@@ -160,13 +160,14 @@ def start_servers(model: str, *, log_paths: list[str | Path], devices: list[str 
                   gpu_memory_utilization: float = OWN_GPU_MEMORY_UTILIZATION,
                   tensor_parallel_size: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
                   seed: int = 0, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                  ready_timeout_s: float = 900.0, wait: bool = True, overlap: bool = False
+                  ready_timeout_s: float = 900.0, wait: bool = True, overlap: bool = True
                   ) -> list[ServerProcess]:
     """Starts one server per entry of `devices` (its CUDA_VISIBLE_DEVICES, or None), all at once, and returns once
     every one is ready; if any fails, stops them all and raises ServerStartError naming it. `wait=False` returns
-    at once: the caller does other work while the engines load, then calls `wait_ready`. `overlap`: a learner
-    computes while these servers generate (Config.overlap; False in the synchronous loop and evaluation); on CPU
-    their OpenMP threads follow cpu_server_threads, unless the environment sets OMP_NUM_THREADS."""
+    at once: the caller does other work while the engines load, then calls `wait_ready`. `overlap`: something
+    else computes while these servers generate (the learner of an asynchronous run, Config.overlap; the caller by
+    default), False where nothing does (the synchronous loop, evaluation); on CPU their OpenMP threads follow
+    cpu_server_threads, unless the environment sets OMP_NUM_THREADS."""
     if token is not None and not token.strip():
         raise ValueError("token is empty: pass None (a loopback server needs none) or a secret")
     if port is not None and len(devices) > 1:
