@@ -288,10 +288,10 @@ def test_environment_tokens_get_exactly_zero_gradient_in_every_loss(name, correc
 
 def test_multiturn_config_loads_with_its_limits():
     cfg = load_config("configs/quickstart_multiturn.yaml")
-    assert (cfg.data.env, cfg.data.max_turns, cfg.data.max_episode_tokens, cfg.rollout.max_tokens) == ("reveal", 2, 32, 2)
-    # Dr. GRPO's token budget: the tokens an episode's turns may sample (2 turns of 2), or fewer if the episode's
+    assert (cfg.data.env, cfg.data.max_turns, cfg.data.max_episode_tokens, cfg.rollout.max_tokens) == ("reveal", 2, 32, 1)
+    # Dr. GRPO's token budget: the tokens an episode's turns may sample (2 turns of 1), or fewer if the episode's
     # token limit says so.
-    assert load_config("configs/quickstart_multiturn.yaml", ["loss.name=dr_grpo"]).loss.token_budget == 2 * 2
+    assert load_config("configs/quickstart_multiturn.yaml", ["loss.name=dr_grpo"]).loss.token_budget == 2 * 1
     assert load_config("configs/quickstart_multiturn.yaml", ["loss.name=dr_grpo", "rollout.max_tokens=30"]
                        ).loss.token_budget == 32
 
@@ -303,7 +303,7 @@ def test_multiturn_config_loads_with_its_limits():
     (["data.max_episode_tokens=100"], ("data.max_prompt_tokens (64) + data.max_episode_tokens (100) > "
                                        "rollout.max_model_len (128)")),
     (["data.env_timeout_s=0"], "data.env_timeout_s must lie in (0, 86400]"),
-    (["rollout.overlong_buffer=2"], "rollout.overlong_buffer is per completion"),
+    (["rollout.overlong_buffer=1"], "rollout.overlong_buffer is per completion"),
     # Each turn of each episode has an engine seed of its own: 4096 x 2 x 200 > 2**20 per request.
     (["data.max_turns=200", "rollout.prompts_per_step=4096", "train.mini_batch_size=4096", "rollout.group_size=2"],
      "rollout.prompts_per_step * rollout.group_size = 1638400 is outside the engine-seed layout"),

@@ -135,7 +135,7 @@ def test_multiturn_training_runs_async_validates_episodes_and_survives_env_failu
     assert sum(r["reward/failures"] for r in rows) > 0  # failed episodes were counted, and training went on
     for r in rows:
         assert r["episode/turns_mean"] <= 2 and r["rollout/staleness"] <= 1
-        assert r["episode/tokens_mean"] <= 32 and r["response/length_mean"] <= 4
+        assert r["episode/tokens_mean"] <= 32 and r["response/length_mean"] <= 2  # 2 turns of 1 token
     assert "val/quickstart_val/pass@1" in rows[1] and "val/quickstart_val/pass@1" in rows[3]
     lines = (tmp_path / "quickstart_multiturn" / "eval" / "step_2" / "samples.jsonl").read_text().splitlines()
     samples = [json.loads(line) for line in lines]
