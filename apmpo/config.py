@@ -16,6 +16,7 @@ import math
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +34,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str = "Qwen/Qwen2.5-Math-1.5B-Instruct"  # HF hub id or local directory; "quickstart": the CPU quickstart's
+    path: str = "Qwen/Qwen2.5-Math-1.5B-Instruct"  # HF hub id, local directory, "quickstart", or apmpo.models name
     dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
     gradient_checkpointing: bool = False
     # Vision-language models: freeze the vision encoder, train the merger (projector) and the language model.
@@ -242,6 +243,7 @@ class Config:
         if layout_error:
             raise ConfigError(layout_error)
         _check_eval(self)
+        _warn_if_ratios_are_one(self)
         if check_sources:
             _check_sources(self)
         return self
@@ -271,8 +273,16 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 def _check_sources(cfg: Config) -> None:
     """The model, data and reward a run names exist, so that a typo fails here, not after the server started."""
     path = cfg.model.path
-    if path != "quickstart" and not Path(path).expanduser().is_dir() and not HUB_ID.match(path):
-        raise ConfigError(f"model.path {path!r} is neither a local directory nor a hub id (org/name)")
+    from apmpo import models  # noqa: PLC0415  (light: no torch)
+
+    if path in models.MODELS:
+        try:
+            models.resolve(path)
+        except FileNotFoundError as error:
+            raise ConfigError(f"model.path: {error}") from None
+    elif path != "quickstart" and not Path(path).expanduser().is_dir() and not HUB_ID.match(path):
+        raise ConfigError(f"model.path {path!r} is neither a local directory, a hub id (org/name) nor a fetchable "
+                          f"model ({', '.join(models.MODELS)}: python -m apmpo.models fetch NAME)")
     train = cfg.data.train
     from apmpo.data import BUILTIN  # noqa: PLC0415  (light: no torch, no sympy)
 
@@ -290,6 +300,25 @@ def _check_sources(cfg: Config) -> None:
             raise ConfigError(f"eval.benchmarks: {error}") from None
         if cfg.eval.reward is not None:
             _check_reward(cfg.eval.reward, "eval.reward")
+
+
+class ConfigWarning(UserWarning):
+    """A configuration that runs, but not as its author probably meant."""
+
+
+# Their loss is a clipped ratio aggregated per sequence (power mean, geometric mean, sequence ratio): at ratio 1
+# each reduces to the token mean of the advantage-weighted log-probs, GRPO's gradient (tests/test_loss.py).
+RATIO_LOSSES = ("apmpo", "gmpo", "gspo")
+
+
+def _warn_if_ratios_are_one(cfg: Config) -> None:
+    if (cfg.loss.name in RATIO_LOSSES and cfg.mini_batches_per_rollout == 1 and cfg.train.epochs == 1
+            and cfg.train.max_staleness == 0):
+        warnings.warn(ConfigWarning(
+            f"loss.name {cfg.loss.name} with one optimiser step per rollout batch (rollout.prompts_per_step = "
+            "train.mini_batch_size, train.epochs 1, synchronous): every ratio is 1, so the clip and the sequence "
+            f"mean never act and the gradient equals GRPO's. For {cfg.loss.name} to differ, take several optimiser "
+            "steps per batch: lower train.mini_batch_size or raise train.epochs"), stacklevel=3)
 
 
 def _check_servers(cfg: Config) -> None:
