@@ -15,8 +15,10 @@ The two splits are disjoint by construction: a problem's template and numbers (n
 hashed, and one hash value in HELD_OUT_EVERY belongs to the held-out side; each split draws only from its side
 (rows from a seeded random.Random, the same on every machine and Python version).
 
-Difficulty: SmolLM2-135M-Instruct (apmpo.models) starts at a held-out pass@1 of about 0.3 (README), with room
-to learn both the format (a final \\boxed{} or "The answer is") and the arithmetic.
+Difficulty, measured with SmolLM2-135M-Instruct (apmpo.models) through python -m apmpo.eval: held-out pass@1 0.002
+at temperature 1 (128 problems x 4, 256 tokens; 48% of samples cut) and 0.012 at 0.6 / top-p 0.95 (64 x 4, 160
+tokens; 41% cut): far too hard as it stands, below the 0.1-0.6 a learning curve needs. Still to do: easier
+templates (one operation, smaller numbers) or another system prompt, measured again.
 """
 from __future__ import annotations
 
