@@ -18,7 +18,8 @@ Sources, tried in this order:
 Field mapping (`fields=`, default: the built-in's, else detected from the first row): see FIELD_MAPS.
 SQL sources need `db_root`, the folder holding `<db_id>/<db_id>.sqlite` (built-in Spider has its own).
 
-Prompts: a system prompt per task (SYSTEM_PROMPTS; `system_prompt=` overrides it) and the question
+Prompts: a system prompt per task (SYSTEM_PROMPTS) or per built-in dataset (Builtin.system_prompt; `system_prompt=`
+overrides either) and the question
 as the user turn. A tokenizer without a chat template gets the plain format
     "{system}\\n\\n{user}\\n\\nResponse:"
 encoded with the tokenizer's special tokens (BOS where it has one); with a template the rendered
@@ -63,6 +64,7 @@ class Builtin:
     count: int  # records in the file, checked by the tests
     db_root: Path | None = None
     rows: Callable[[], list[dict]] | None = None  # a dataset generated in code (seeded: the same rows every time)
+    system_prompt: str | None = None  # the dataset's own, in place of its task's (a caller's system_prompt= wins)
 
 
 BUILTIN: dict[str, Builtin] = {
@@ -79,8 +81,10 @@ BUILTIN: dict[str, Builtin] = {
     "bird": Builtin("bird/mini_dev_sqlite.json", "bird", 500),
     "geometry3k": Builtin("geometry3k/test_freeform.jsonl", "geometry3k", 601),
     # Arithmetic word problems (apmpo/data/arith.py), a task SmolLM2-135M-Instruct can learn on CPU; disjoint splits.
-    "arith_train": Builtin(None, "math", arith.TRAIN_SIZE, rows=functools.partial(arith.make_rows, "train")),
-    "arith_test": Builtin(None, "math", arith.TEST_SIZE, rows=functools.partial(arith.make_rows, "test")),
+    "arith_train": Builtin(None, "math", arith.TRAIN_SIZE, rows=functools.partial(arith.make_rows, "train"),
+                           system_prompt=arith.SYSTEM_PROMPT),
+    "arith_test": Builtin(None, "math", arith.TEST_SIZE, rows=functools.partial(arith.make_rows, "test"),
+                          system_prompt=arith.SYSTEM_PROMPT),
 }
 
 
@@ -264,6 +268,7 @@ def load_records(
         rows = builtin.rows() if builtin.rows else _read_rows(str(BUILTIN_ROOT / builtin.path), split)
         fields = fields or builtin.fields
         db_root = db_root or builtin.db_root
+        system_prompt = builtin.system_prompt if system_prompt is None else system_prompt
     else:
         rows = _read_rows(source, split)
     rows = rows[:limit] if limit is not None else rows
