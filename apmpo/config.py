@@ -23,6 +23,7 @@ import re
 import types
 import typing
 import urllib.parse
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -96,7 +97,7 @@ def check_path(key: str, value: str) -> None:
 
 @dataclass
 class ModelConfig:
-    # HF hub id or local directory; "quickstart": the CPU quickstart's
+    # HF hub id, local directory, "quickstart" (the CPU quickstart's), or a name of apmpo.models (fetched)
     path: str = path_field("Qwen/Qwen2.5-Math-1.5B-Instruct")
     dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
     # Recompute activations in the backward. None: on when the learner runs on a GPU, where the default
@@ -335,6 +336,7 @@ class Config:
         if layout_error:
             raise ConfigError(layout_error)
         _check_eval(self)
+        _warn_if_ratios_are_one(self)
         if check_sources:
             _check_sources(self)
         return self
@@ -365,8 +367,16 @@ def _check_sources(cfg: Config) -> None:
     """The model, data, reward and transports a run names exist and work on this machine, so that a typo or a
     missing package fails here, not after the server started."""
     path = cfg.model.path
-    if path != "quickstart" and not Path(path).expanduser().is_dir() and not HUB_ID.match(path):
-        raise ConfigError(f"model.path {path!r} is neither a local directory nor a hub id (org/name)")
+    from apmpo import models  # noqa: PLC0415  (light: no torch)
+
+    if path in models.MODELS:
+        try:
+            models.resolve(path)
+        except FileNotFoundError as error:
+            raise ConfigError(f"model.path: {error}") from None
+    elif path != "quickstart" and not Path(path).expanduser().is_dir() and not HUB_ID.match(path):
+        raise ConfigError(f"model.path {path!r} is neither a local directory, a hub id (org/name) nor a fetchable "
+                          f"model ({', '.join(models.MODELS)}: python -m apmpo.models fetch NAME)")
     _check_model_positions(cfg)
     train = cfg.data.train
     from apmpo.data import BUILTIN  # noqa: PLC0415  (light: no torch, no sympy)
@@ -416,7 +426,10 @@ def _check_model_positions(cfg: Config) -> None:
     """rollout.max_model_len within the model's positions, when its config.json is on this machine (vLLM would
     refuse it only after the server started)."""
     try:
-        model = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+        from apmpo import models  # noqa: PLC0415  (light: no torch)
+
+        path = models.resolve(cfg.model.path) if cfg.model.path in models.MODELS else cfg.model.path
+        model = json.loads((Path(path).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
         return  # a hub id, the quickstart's (written at the start of the run), or vLLM's to judge
     positions = model.get("max_position_embeddings", (model.get("text_config") or {}).get("max_position_embeddings"))
@@ -438,6 +451,25 @@ def _check_data_file(d: DataConfig) -> None:
         raise ConfigError(f"data.train {d.train!r}: {message}") from None
     if not records:
         raise ConfigError(f"data.train {d.train!r} holds no records (with a gold answer)")
+
+
+class ConfigWarning(UserWarning):
+    """A configuration that runs, but not as its author probably meant."""
+
+
+# Their loss is a clipped ratio aggregated per sequence (power mean, geometric mean, sequence ratio): at ratio 1
+# each reduces to the token mean of the advantage-weighted log-probs, GRPO's gradient (tests/test_loss.py).
+RATIO_LOSSES = ("apmpo", "gmpo", "gspo")
+
+
+def _warn_if_ratios_are_one(cfg: Config) -> None:
+    if (cfg.loss.name in RATIO_LOSSES and cfg.mini_batches_per_rollout == 1 and cfg.train.epochs == 1
+            and cfg.train.max_staleness == 0):
+        warnings.warn(ConfigWarning(
+            f"loss.name {cfg.loss.name} with one optimiser step per rollout batch (rollout.prompts_per_step = "
+            "train.mini_batch_size, train.epochs 1, synchronous): every ratio is 1, so the clip and the sequence "
+            f"mean never act and the gradient equals GRPO's. For {cfg.loss.name} to differ, take several optimiser "
+            "steps per batch: lower train.mini_batch_size or raise train.epochs"), stacklevel=3)
 
 
 def _check_servers(cfg: Config) -> None:

@@ -5,6 +5,7 @@
     python benchmarks/step_time.py --tiny                           # CI: quickstart model, 8 tokens, 3 steps
     python benchmarks/step_time.py --sizes quickstart --prompt-tokens 128   # longer prompts, same task
     python benchmarks/step_time.py --sizes quickstart --set rollout.num_servers=1   # an apmpo config override
+    python benchmarks/step_time.py --sizes smollm2 --tokens 48 64 --steps 4 --warmup 1   # the real model (issue 32)
 
 The task is the quickstart's (16 prompts x 8 samples, apmpo/quickstart.py), one optimiser step per rollout batch,
 KL beta 0.001 against a reference model, fp32; apmpo otherwise runs configs/quickstart.yaml (two generation
@@ -15,6 +16,12 @@ no prompt uses: a random model of that size rarely stops, so its completions run
 apmpo's math records: both sides get the same records); the quickstart's own are 22 tokens, real ones longer.
 The learning rate is tiny so that the policy, and with it the completion lengths, stay the same on both sides
 over the run (the printed mean lengths show it).
+
+The real model, `--sizes smollm2`: SmolLM2-135M-Instruct (30 layers, fetched by apmpo.models) on "What is A + B?"
+with A, B in 10-99 under the math system prompt, 8 prompts x 4 samples, no reference model (beta 0), the math
+reward, one server. After its runs, a plain torch forward+backward of the same model over the same tokens (apmpo's
+batch, padded: prompts + mean completion length) is timed: the learner's limit on this machine. Its update is
+reported against it, with tokens/s.
 
 The baseline is TRL's GRPOTrainer (HF generate in process) when `trl` is importable, else a plain in-process
 GRPO step (HF generate, a log-prob forward of the policy and the reference, one backward, AdamW), written
@@ -31,19 +38,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("generate", "reward", "logprob", "update", "weight_sync")
 BIG = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1536)
 BIG_VOCAB = 32000
-LR, BETA, PROMPTS, GROUP = 1e-7, 0.001, 16, 8
+LR = 1e-7
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class Task:
+    """What both sides train on, per model size."""
+    prompts: int  # per step
+    group: int  # samples per prompt
+    beta: float  # KL weight; 0: no reference model
+    reward: str  # an apmpo.rewards name; the baseline scores with the same function
+
+
+TASKS = {"quickstart": Task(16, 8, 0.001, "quickstart"), "big": Task(16, 8, 0.001, "quickstart"),
+         "smollm2": Task(8, 4, 0.0, "math")}
 
 
 def learner_threads(max_staleness: int = 0) -> int:
@@ -64,7 +87,31 @@ def save_models(root: Path, sizes: list[str]) -> dict[str, Path]:
         paths["quickstart"] = save_quickstart_model(root / "quickstart")
     if "big" in sizes:
         paths["big"] = tiny.save_tiny_model(root / "big", tokenizer=_padded_tokenizer(build_tokenizer()), **BIG)
+    if "smollm2" in sizes:
+        from apmpo.models import fetch
+
+        paths["smollm2"] = fetch(REAL_MODEL)
     return paths
+
+
+def _prompt_tokens(model: Path, records_path: str) -> int:
+    """The longest prompt of a records file, in tokens of the model's chat format."""
+    from transformers import AutoTokenizer
+
+    from apmpo.data import encode_prompt, load_records
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return max(len(encode_prompt(record, tokenizer)) for record in load_records(records_path))
+
+
+def write_additions(root: Path) -> Path:
+    """512 "What is A + B?" records, A and B in 10-99 (apmpo's math fields: the math system prompt)."""
+    rng = random.Random(0)
+    pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(512)]
+    path = root / "additions.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a, b in pairs))
+    return path
 
 
 def _padded_tokenizer(tokenizer):
@@ -107,12 +154,12 @@ def write_prompts(root: Path, prompt_tokens: int) -> Path:
     return path
 
 
-def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path, max_staleness: int = 0,
+def run_apmpo(model: Path, task: Task, tokens: int, steps: int, warmup: int, out: Path, max_staleness: int = 0,
               prompts: str = "quickstart", prompt_tokens: int = 22, extra_sets: tuple[str, ...] = ()) -> dict:
-    sets = {"model.path": model, "model.dtype": "fp32", "rollout.prompts_per_step": PROMPTS, "data.train": prompts,
-            "data.max_prompt_tokens": prompt_tokens + 8, "rollout.group_size": GROUP, "rollout.max_tokens": tokens,
-            "rollout.max_model_len": tokens + prompt_tokens + 48,
-            "train.mini_batch_size": PROMPTS, "train.steps": steps, "loss.kl_beta": BETA, "optim.lr": LR,
+    sets = {"model.path": model, "model.dtype": "fp32", "rollout.prompts_per_step": task.prompts, "data.train": prompts,
+            "data.reward": task.reward, "data.max_prompt_tokens": prompt_tokens + 8, "rollout.group_size": task.group,
+            "rollout.max_tokens": tokens, "rollout.max_model_len": tokens + prompt_tokens + 48,
+            "train.mini_batch_size": task.prompts, "train.steps": steps, "loss.kl_beta": task.beta, "optim.lr": LR,
             "optim.warmup_steps": 0, "checkpoint.save_every": 0, "logging.tensorboard": "false",
             "logging.output_dir": out, "logging.run_name": "apmpo", "train.max_staleness": max_staleness}
     command = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs/quickstart.yaml"),
@@ -128,16 +175,17 @@ def run_apmpo(model: Path, tokens: int, steps: int, warmup: int, out: Path, max_
     return {"step": statistics.median(r["time/step"] for r in kept),
             **{p: statistics.median(r[f"time/{p}"] for r in kept) for p in PHASES},
             "length": statistics.mean(r["response/length_mean"] for r in kept),
+            "reward": statistics.mean(r["reward/mean"] for r in kept),
             "startup": wall - sum(r["time/step"] for r in rows)}
 
 
 # --- baseline (in a process of its own, like apmpo's run) ------------------------------------------------------
 
 
-def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path, threads: int,
+def run_baseline(model: Path, size: str, tokens: int, steps: int, warmup: int, out: Path, threads: int,
                  prompts: str = "quickstart") -> dict:
-    command = [sys.executable, __file__, "--baseline-run", str(model), str(tokens), str(steps), str(out), str(threads),
-               prompts]
+    command = [sys.executable, __file__, "--baseline-run", str(model), size, str(tokens), str(steps), str(out),
+               str(threads), prompts]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - start
@@ -149,16 +197,16 @@ def run_baseline(model: Path, tokens: int, steps: int, warmup: int, out: Path, t
             "startup": wall - sum(result["steps"]), "name": result["name"]}
 
 
-def baseline_main(model: str, tokens: int, steps: int, out: Path, threads: int, prompts: str) -> None:
+def baseline_main(model: str, task: Task, tokens: int, steps: int, out: Path, threads: int, prompts: str) -> None:
     import torch
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     try:
         import trl  # noqa: F401
     except ImportError:
-        result = _plain_grpo(model, tokens, steps, prompts)
+        result = _plain_grpo(model, task, tokens, steps, prompts)
     else:
-        result = _trl_grpo(model, tokens, steps, out, prompts)
+        result = _trl_grpo(model, task, tokens, steps, out, prompts)
     (out / "baseline.json").write_text(json.dumps(result))
 
 
@@ -170,23 +218,24 @@ def _prompts(n: int, source: str) -> list[dict]:
     return make_samples(n, seed=0) if source == "quickstart" else load_records(source)[:n]
 
 
-def _reward(completions: list[str], samples: list[dict]) -> list[float]:
-    from apmpo.quickstart import reward
+def _reward(task: Task, completions: list[str], samples: list[dict]) -> list[float]:
+    from apmpo.rewards import get_reward
 
+    reward = get_reward(task.reward)
     return [reward(c, s) for c, s in zip(completions, samples)]
 
 
-def _trl_grpo(model: str, tokens: int, steps: int, out: Path, prompts: str) -> dict:
+def _trl_grpo(model: str, task: Task, tokens: int, steps: int, out: Path, prompts: str) -> dict:
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    samples = _prompts(PROMPTS * steps, prompts)
+    samples = _prompts(task.prompts * steps, prompts)
     data = Dataset.from_list([{"prompt": s["messages"], "answer": s["answer"]} for s in samples])
 
     def reward(completions, answer, **_) -> list[float]:
-        return _reward([c[0]["content"] for c in completions], [{"answer": a} for a in answer])
+        return _reward(task, [c[0]["content"] for c in completions], [{"answer": a} for a in answer])
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -203,18 +252,18 @@ def _trl_grpo(model: str, tokens: int, steps: int, out: Path, prompts: str) -> d
                 self.lengths.append(logs["completions/mean_length"])
 
     clock = Clock()
-    # 16 prompts x 8 completions a step; 16 completions per forward, 8 of them accumulated: one optimiser step
-    # per generation batch.
-    config = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=16, gradient_accumulation_steps=8,
-                        num_generations=GROUP, max_completion_length=tokens, max_steps=steps, learning_rate=LR,
-                        beta=BETA, temperature=1.0, top_k=0, logging_steps=1, save_strategy="no", report_to="none",
+    # Two prompts' completions per forward, all of the step's accumulated: one optimiser step per generation batch
+    # (16 x 8: 16 completions per forward, 8 accumulated).
+    config = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=2 * task.group,
+                        gradient_accumulation_steps=task.prompts // 2, num_generations=task.group,
+                        max_completion_length=tokens, max_steps=steps, learning_rate=LR, beta=task.beta, temperature=1.0, top_k=0, logging_steps=1, save_strategy="no", report_to="none",
                         use_cpu=True, bf16=False, seed=0, disable_tqdm=True, lr_scheduler_type="constant")
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, callbacks=[clock])
     trainer.train()
     return {"name": f"TRL {trl.__version__} GRPOTrainer", "steps": clock.steps, "lengths": clock.lengths}
 
 
-def _plain_grpo(model_path: str, tokens: int, steps: int, prompts: str) -> dict:
+def _plain_grpo(model_path: str, task: Task, tokens: int, steps: int, prompts: str) -> dict:
     """HF generate, then one GRPO step: old/reference log-probs without grad, the clipped-ratio loss with a k3 KL
     term, backward, AdamW. The whole rollout batch in one forward; no chunking."""
     import torch
@@ -225,7 +274,7 @@ def _plain_grpo(model_path: str, tokens: int, steps: int, prompts: str) -> dict:
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=LR)
-    samples = _prompts(PROMPTS * steps, prompts)
+    samples = _prompts(task.prompts * steps, prompts)
     times, lengths = [], []
 
     def token_logprobs(model, ids, attention, start):
@@ -234,24 +283,24 @@ def _plain_grpo(model_path: str, tokens: int, steps: int, prompts: str) -> dict:
 
     for step in range(steps):
         tick = time.perf_counter()
-        batch = samples[step * PROMPTS : (step + 1) * PROMPTS]
+        batch = samples[step * task.prompts : (step + 1) * task.prompts]
         texts = [tokenizer.apply_chat_template(s["messages"], tokenize=False, add_generation_prompt=True) for s in batch]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         policy.eval()
         with torch.no_grad():
             ids = policy.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
-                                  num_return_sequences=GROUP, pad_token_id=tokenizer.pad_token_id)
+                                  num_return_sequences=task.group, pad_token_id=tokenizer.pad_token_id)
         start = enc.input_ids.shape[1]
         completion = ids[:, start:]
         # Tokens up to and including the first EOS count; after it, padding.
         eos = (completion == tokenizer.eos_token_id).int()
         mask = (eos.cumsum(1) - eos) == 0
         lengths.append(mask.sum(1).float().mean().item())
-        rewards = torch.tensor(_reward(tokenizer.batch_decode(completion * mask + tokenizer.pad_token_id * ~mask,
-                                                              skip_special_tokens=True),
-                                       [s for s in batch for _ in range(GROUP)])).view(PROMPTS, GROUP)
+        rewards = torch.tensor(_reward(task, tokenizer.batch_decode(completion * mask + tokenizer.pad_token_id * ~mask,
+                                                                    skip_special_tokens=True),
+                                       [s for s in batch for _ in range(task.group)])).view(task.prompts, task.group)
         advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
-        attention = torch.cat([enc.attention_mask.repeat_interleave(GROUP, 0), mask.long()], 1)
+        attention = torch.cat([enc.attention_mask.repeat_interleave(task.group, 0), mask.long()], 1)
         with torch.no_grad():
             old = token_logprobs(policy, ids, attention, start)
             ref = token_logprobs(reference, ids, attention, start)
@@ -260,7 +309,7 @@ def _plain_grpo(model_path: str, tokens: int, steps: int, prompts: str) -> dict:
         ratio = torch.exp(logp - old)
         surrogate = torch.minimum(ratio * advantages[:, None], ratio.clamp(0.8, 1.2) * advantages[:, None])
         kl = torch.exp(ref - logp) - (ref - logp) - 1
-        per_token = -(surrogate - BETA * kl)
+        per_token = -(surrogate - task.beta * kl)
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
         loss.backward()
         optimizer.step()
@@ -269,13 +318,36 @@ def _plain_grpo(model_path: str, tokens: int, steps: int, prompts: str) -> dict:
     return {"name": "plain PyTorch GRPO (HF generate)", "steps": times, "lengths": lengths}
 
 
+# --- the learner's limit: a plain torch forward+backward of the same tokens -------------------------------------
+
+
+def plain_forward_backward(model_path: Path, sequences: int, tokens: int, completion: int, threads: int,
+                           repeats: int = 3) -> float:
+    """Median seconds of one forward+backward of `sequences` rows of `tokens` ids in one batch (fp32, training mode,
+    the log-probs of the last `completion` positions summed as the loss): what any trainer must spend on them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+    ids = torch.randint(0, model.config.vocab_size, (sequences, tokens), generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(repeats):
+        tick = time.perf_counter()
+        logits = model(input_ids=ids).logits[:, -completion - 1 : -1]
+        torch.log_softmax(logits, -1).gather(-1, ids[:, -completion:, None]).sum().backward()
+        model.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - tick)
+    return statistics.median(times)
+
+
 # --- main ------------------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CI: quickstart model, 8 tokens, 3 steps, 1 warm-up")
-    parser.add_argument("--sizes", nargs="+", default=["quickstart", "big"], choices=["quickstart", "big"])
+    parser.add_argument("--sizes", nargs="+", default=["quickstart", "big"], choices=list(TASKS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[8, 64, 128], help="max new tokens")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
@@ -288,12 +360,12 @@ def main() -> None:
                         help="lengthen every prompt to this many tokens (default: the quickstart's 22)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of apmpo's config, as train.py's --set (e.g. rollout.num_servers=1)")
-    parser.add_argument("--baseline-run", nargs=6, metavar=("MODEL", "TOKENS", "STEPS", "OUT", "THREADS", "PROMPTS"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-run", nargs=7, help=argparse.SUPPRESS,
+                        metavar=("MODEL", "SIZE", "TOKENS", "STEPS", "OUT", "THREADS", "PROMPTS"))
     args = parser.parse_args()
     if args.baseline_run:
-        model, tokens, steps, out, threads, prompts = args.baseline_run
-        return baseline_main(model, int(tokens), int(steps), Path(out), int(threads), prompts)
+        model, size, tokens, steps, out, threads, prompts = args.baseline_run
+        return baseline_main(model, TASKS[size], int(tokens), int(steps), Path(out), int(threads), prompts)
     if args.tiny:
         args.sizes, args.tokens, args.steps, args.warmup = ["quickstart"], [8], 3, 1
     if args.steps <= args.warmup:
@@ -304,18 +376,25 @@ def main() -> None:
     models = save_models(root, args.sizes)
     prompts = str(write_prompts(root, args.prompt_tokens)) if args.prompt_tokens else "quickstart"
     load = os.getloadavg()[0]
-    print(f"{os.cpu_count()} cores, load {load:.1f} at start; {PROMPTS} prompts x {GROUP} samples, beta {BETA}, fp32; "
-          f"apmpo learner threads {learner_threads(args.max_staleness)}, baseline threads {threads}, apmpo max_staleness "
+    tasks = ", ".join(f"{size}: {TASKS[size].prompts} prompts x {TASKS[size].group} samples, beta {TASKS[size].beta}"
+                      for size in args.sizes)
+    print(f"{os.cpu_count()} cores, load {load:.1f} at start; {tasks}; fp32; apmpo learner threads {learner_threads(args.max_staleness)}, baseline threads {threads}, apmpo max_staleness "
           f"{args.max_staleness}; median of steps {args.warmup + 1}-{args.steps}, "
           f"{args.rounds} round(s); prompts {args.prompt_tokens or 22} tokens; apmpo --set {args.sets}", flush=True)
     for size in args.sizes:
+        task, size_prompts, prompt_tokens, sets = TASKS[size], prompts, args.prompt_tokens or 22, tuple(args.sets)
+        if size == "smollm2":
+            size_prompts = str(write_additions(root))
+            prompt_tokens = _prompt_tokens(models[size], size_prompts)
+            sets = ("rollout.num_servers=1", "eval.every=0", *sets)  # apmpo's default: one server
         for tokens in args.tokens:
             ours, theirs = [], []
             for r in range(args.rounds):
-                ours.append(run_apmpo(models[size], tokens, args.steps, args.warmup, root / f"{size}_{tokens}_{r}",
-                                      args.max_staleness, prompts, args.prompt_tokens or 22, tuple(args.sets)))
-                theirs.append(run_baseline(models[size], tokens, args.steps, args.warmup,
-                                           root / f"{size}_{tokens}_{r}", threads, prompts))
+                ours.append(run_apmpo(models[size], task, tokens, args.steps, args.warmup,
+                                      root / f"{size}_{tokens}_{r}", args.max_staleness, size_prompts, prompt_tokens,
+                                      sets))
+                theirs.append(run_baseline(models[size], size, tokens, args.steps, args.warmup,
+                                           root / f"{size}_{tokens}_{r}", threads, size_prompts))
             a = {k: statistics.median(run[k] for run in ours) for k in ours[0]}
             b = {k: statistics.median(run[k] for run in theirs) for k in ("step", "length", "startup")}
             phases = ", ".join(f"{p} {a[p]:.3f}" for p in PHASES)
@@ -325,6 +404,14 @@ def main() -> None:
             print(f"  baseline: {b['step']:.3f} s/step  (length {b['length']:.1f}; start-up {b['startup']:.0f} s)  "
                   f"{theirs[0]['name']}")
             print(f"  ratio apmpo/baseline speed: {b['step'] / a['step']:.2f}x  (baseline s/step over apmpo s/step)", flush=True)
+            if size == "smollm2":  # the learner against the limit: the same tokens through plain torch
+                sequences, width = task.prompts * task.group, prompt_tokens + round(a["length"])
+                plain = plain_forward_backward(models[size], sequences, width, round(a["length"]),
+                                               learner_threads(args.max_staleness))
+                print(f"  learner: update {a['update']:.2f} s + log-probs {a['logprob']:.2f} s; plain torch forward+"
+                      f"backward of {sequences} x {width} tokens {plain:.2f} s ({sequences * width / plain:.0f} "
+                      f"tokens/s, the learner's {sequences * width / a['update']:.0f}): "
+                      f"{a['update'] / plain:.2f}x the limit; reward/mean {a['reward']:.2f}", flush=True)
     print(f"load {os.getloadavg()[0]:.1f} at the end")
 
 

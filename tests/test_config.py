@@ -154,7 +154,7 @@ def test_paper_recipe():
     ("data.reward=maths", r"data.reward 'maths': KeyError: .*unknown reward 'maths'"),
     ("data.reward=no_such_pkg.rewards:score", r"data.reward 'no_such_pkg.rewards:score': ModuleNotFoundError"),
     ("data.reward=json:no_such_function", r"data.reward 'json:no_such_function'"),
-    ("model.path=./models/missing", r"model.path './models/missing' is neither a local directory nor a hub id"),
+    ("model.path=./models/missing", r"model.path './models/missing' is neither a local directory, a hub id \(org/name\) nor a fetchable model"),
     ("data.train=/data/missing.jsonl", r"data.train '/data/missing.jsonl': no such file"),
     ("data.train=math12k_typo.jsonl", r"data.train 'math12k_typo.jsonl': no such file"),
     # 3072 + 1024 = 4096 fits; 3073 does not, and vLLM would silently truncate the longest prompts' completions

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from apmpo import seeding
+from apmpo import models, seeding
 from apmpo.config import ConfigError, check_temperature
 from apmpo.data import FIELD_MAPS, stop_token_ids
 from apmpo.eval.metrics import average, summarize_benchmark
@@ -140,7 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_model(model: str) -> str:
-    """A training checkpoint (step_k/ with hf/ inside) means its hf/ folder; anything else is passed on."""
+    """A training checkpoint (step_k/ with hf/ inside) means its hf/ folder, a fetched model's name (apmpo.models)
+    its cache entry; anything else is passed on."""
+    try:
+        model = models.resolve(model)
+    except FileNotFoundError as error:
+        raise EvalError(str(error)) from None
     path = Path(model)
     if (path / "hf" / "config.json").is_file():
         return str(path / "hf")

@@ -2,9 +2,11 @@
 
 `model.path: quickstart` and `data.train: quickstart` select the built-in CPU quickstart (apmpo/quickstart.py):
 the model is written into the run directory by rank 0, so every process and the server load the same files.
+A name of apmpo.models.MODELS (`model.path: smollm2-135m-instruct`) loads its fetched copy from the cache.
 """
 from __future__ import annotations
 
+from apmpo import models
 from apmpo.config import Config
 from apmpo.data import encode_prompt, load_records
 from apmpo.data.vision import VisionInputs, is_vision_language
@@ -14,7 +16,7 @@ def prepare_model(cfg: Config, is_main: bool) -> str:
     """The policy's path; for model.path "quickstart", rank 0 writes the model first (before any process group
     exists: the other ranks must wait for it, e.g. in a barrier, before they read it)."""
     if cfg.model.path != "quickstart":
-        return cfg.model.path
+        return models.resolve(cfg.model.path)  # a fetched model's cache entry; anything else as it is
     from apmpo.quickstart import save_quickstart_model
 
     path = cfg.run_dir / "model"

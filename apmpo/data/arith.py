@@ -1,0 +1,128 @@
+"""Arithmetic word problems, GSM8K-like, generated in code: the built-in `arith_train` and `arith_test`.
+
+    from apmpo.data import load_records
+    train = load_records("arith_train")   # 8192 problems (data.train: arith_train)
+    test = load_records("arith_test")     # 96 held-out problems (eval.benchmarks / --benchmarks arith_test)
+
+A problem is a short story with one operation on small integers (+, -, x) and an integer answer, e.g.
+
+    Mia had 12 marbles and gave 5 of them to a friend. How many marbles does Mia have left?   -> 7
+
+It is asked with its own system prompt (SYSTEM_PROMPT: brief, one worked example, the \\boxed{} answer) and scored
+by `data.reward: math`, which also reads "The answer is 7".
+
+The two splits are disjoint by construction: every problem (a template and its numbers, not its names or objects)
+is enumerated once and hashed, and one hash value in HELD_OUT_EVERY belongs to the held-out side. The held-out
+split is TEST_SIZE distinct problems of that side; training draws from the other side, names and objects varied
+(rows from a seeded random.Random, the same on every machine and Python version).
+
+Difficulty, measured with SmolLM2-135M-Instruct (apmpo.models) through the server at temperature 0.7, 128 tokens,
+64 to 128 samples a setting (the numbers move by about 0.04 between samples of that size):
+- the GSM8K-like first version, one or two operations on numbers up to 60 with the default math prompt: pass@1
+  0.000 (77% cut at 128 tokens) at temperature 1, 0.012 at 0.6;
+- one operation on one-digit numbers with the default math prompt: 0.00-0.14 (0.09 on average over +, -, x and
+  a sum; 33-56% cut: the model states its sum, then loops or never says which number is the answer);
+- the same with SYSTEM_PROMPT: 0.05-0.13 (0.09 on average; 22-38% cut), and 0.46 greedy (the default prompt).
+- this dataset, through python -m apmpo.eval (64 held-out problems x 4, 128 tokens): pass@1 0.090 at temperature
+  0.7 (30% cut, 82 tokens on average), 0.109 at 0.5 (23% cut). Temperature is no lever here: the model's greedy
+  answers are often right, its sampled ones lose the thread at any temperature.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+TRAIN_SIZE = 8192
+TEST_SIZE = 96
+HELD_OUT_EVERY = 4  # one problem in 4 is held out
+SEEDS = {"train": 0, "test": 1}
+
+# Asked as the system turn of every problem: short answers and a final answer the math reward finds. A worked
+# example helps this model more than an instruction alone (above).
+SYSTEM_PROMPT = ("Solve the problem briefly. Example:\n"
+                 "Question: Ann has 4 pens and gets 3 more. How many pens does Ann have now?\n"
+                 "Answer: 4 + 3 = 7. The final answer is \\boxed{7}.")
+
+NAMES = ["Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sofia", "Omar", "Chen", "Priya", "Tom", "Zoe"]
+# (plural, container) pairs: "3 bags with 6 marbles in each"
+ITEMS = [("marbles", "bags"), ("apples", "baskets"), ("stickers", "sheets"), ("pencils", "boxes"),
+         ("cookies", "trays"), ("stamps", "albums"), ("eggs", "cartons"), ("books", "shelves")]
+
+
+def _sums():
+    return [{"a": a, "b": b} for a, b in itertools.product(range(2, 10), repeat=2)]
+
+
+def _differences():
+    return [{"a": a, "b": b} for a in range(3, 13) for b in range(1, a)]
+
+
+def _products():
+    return [{"a": a, "b": b} for a, b in itertools.product(range(2, 6), repeat=2)]
+
+
+@dataclass(frozen=True)
+class Template:
+    """A story with slots {name} {items} {box} and the number slots of every dict `numbers` lists; `answer`
+    solves it."""
+    text: str
+    numbers: Callable[[], list[dict[str, int]]]
+    answer: Callable[[dict[str, int]], int]
+
+
+def _plus(n):
+    return n["a"] + n["b"]
+
+
+def _minus(n):
+    return n["a"] - n["b"]
+
+
+TEMPLATES = [
+    Template("{name} has {a} {items} and buys {b} more. How many {items} does {name} have now?", _sums, _plus),
+    Template("{name} had {a} {items} and found {b} more. How many {items} does {name} have now?", _sums, _plus),
+    Template("There are {a} {items} on the table. {name} puts {b} more there. How many {items} are on the table now?",
+             _sums, _plus),
+    Template("{name} had {a} {items} and gave {b} of them to a friend. How many {items} does {name} have left?",
+             _differences, _minus),
+    Template("{name} had {a} {items} and lost {b} of them. How many {items} does {name} have left?",
+             _differences, _minus),
+    Template("There were {a} {items} in a box. {name} took {b} of them. How many {items} are in the box now?",
+             _differences, _minus),
+    Template("{name} has {a} {box} with {b} {items} in each. How many {items} does {name} have in all?",
+             _products, lambda n: n["a"] * n["b"]),
+]
+
+
+def is_held_out(template: int, numbers: dict[str, int]) -> bool:
+    """The split of a problem, by its template and numbers only."""
+    key = f"{template}:" + ",".join(f"{k}={v}" for k, v in sorted(numbers.items()))
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % HELD_OUT_EVERY == 0
+
+
+def problems(held_out: bool) -> list[tuple[int, dict[str, int]]]:
+    """Every (template index, numbers) of one side of the split, in a fixed order."""
+    return [(index, numbers) for index, template in enumerate(TEMPLATES) for numbers in template.numbers()
+            if is_held_out(index, numbers) == held_out]
+
+
+def make_rows(split: str, size: int | None = None) -> list[dict]:
+    """`size` rows {question, answer, template, numbers} of `split` ("train" or "test"), the same on every call.
+    Held-out problems are distinct, so each counts once in pass@k; training draws its problems with replacement."""
+    held_out = split == "test"
+    size = size if size is not None else (TEST_SIZE if held_out else TRAIN_SIZE)
+    rng = random.Random(SEEDS[split])
+    side = problems(held_out)
+    if held_out and size > len(side):
+        raise ValueError(f"arith_test has {len(side)} distinct problems, not {size}")
+    chosen = rng.sample(side, size) if held_out else [rng.choice(side) for _ in range(size)]
+    rows = []
+    for index, numbers in chosen:
+        name, (items, box) = rng.choice(NAMES), rng.choice(ITEMS)
+        question = TEMPLATES[index].text.format(name=name, items=items, box=box, **numbers)
+        rows.append({"question": question, "answer": str(TEMPLATES[index].answer(numbers)), "template": index,
+                     "numbers": numbers})
+    return rows
