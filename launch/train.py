@@ -37,6 +37,7 @@ from transformers import AutoTokenizer
 from apmpo.config import Config, ConfigError, load_config, save_config
 from apmpo.data import stop_token_ids
 from apmpo.eval.validate import Validation
+from apmpo.learner import lora
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_best, save_checkpoint
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
@@ -67,7 +68,7 @@ def main(cfg: Config, resume: str) -> None:
                 log_path=run_dir / "server.log", devices=r.devices,
                 num_servers=r.num_servers, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
-                extra_args=("--enforce-eager",) if r.enforce_eager else (),
+                extra_args=(("--enforce-eager",) if r.enforce_eager else ()) + lora.server_args(cfg),
                 dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed, wait=check_devices(cfg),
                 learner_idle=cfg.train.max_staleness == 0))
         dist = init_distributed(cfg.train.dist_timeout_s, generates_meanwhile=cfg.train.max_staleness > 0)
@@ -77,7 +78,9 @@ def main(cfg: Config, resume: str) -> None:
         # -------------------------------------------------------------- model, data, engine
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
-        reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
+        # With LoRA the reference is the policy itself, its adapter off (lora.adapter_disabled): no second copy.
+        reference = None if cfg.loss.kl_beta == 0 else (
+            engine.module if cfg.model.lora else load_model(model_path, cfg, dist.device, trainable=False))
         vision = load_vision(model_path, tokenizer)  # None for text models
         samples, prompt_ids = load_prompts(cfg, tokenizer, vision) if dist.is_main else ([], [])
         stop_ids = stop_token_ids(model_path, tokenizer)  # as in evaluation
@@ -102,7 +105,7 @@ def main(cfg: Config, resume: str) -> None:
                                                        bucket_bytes=r.bucket_mb << 20))
             policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
             if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
-                policy_version = client.push_weights(engine.module.named_parameters())
+                policy_version = lora.push_policy(client, engine.module)
             logger = stack.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
             # Batches are generated up to train.max_staleness steps ahead, while the learner updates (0: in step).
             stream = RolloutStream(lambda step: collect_rollouts(
@@ -145,7 +148,7 @@ def main(cfg: Config, resume: str) -> None:
             # ---------------------------------------------------------- 8. weight sync
             tick = time.perf_counter()
             if dist.is_main:
-                policy_version = client.push_weights(engine.module.named_parameters())
+                policy_version = lora.push_policy(client, engine.module)  # the adapter alone with LoRA
                 times["weight_sync_engine_load"] = client.last_push["reload_s"] - client.last_push["wait_s"]
             times["weight_sync"] = time.perf_counter() - tick
 
@@ -194,7 +197,8 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
                 mb.old_logp, entropy = logprobs(engine.module, mb, cfg, device, with_entropy=True)
                 totals.add_entropy(entropy, mb, device)
             if reference is not None:
-                mb.ref_logp, _ = logprobs(reference, mb, cfg, device)
+                with lora.adapter_disabled(reference):
+                    mb.ref_logp, _ = logprobs(reference, mb, cfg, device)
     times["time/logprob"] = time.perf_counter() - tick
 
     # -------------------------------------------------------------- 7. update: epochs x mini-batches

@@ -4,6 +4,7 @@
     client.wait_ready(timeout_s=300)
     outs = client.generate(prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=512)  # outs[prompt][sample]
     version = client.push_weights(model.named_parameters())
+    version = client.load_adapter("/dev/shm/adapter")     # a LoRA server (--enable-lora): a PEFT adapter folder
     client.close()
 
 Every call has a timeout, connection errors are retried a bounded number of times, and a server that stays
@@ -12,6 +13,8 @@ unreachable raises `ServerUnavailable` naming its URL.
 from __future__ import annotations
 
 import base64
+import json
+import os
 import socket
 import threading
 import time
@@ -180,6 +183,20 @@ class GenerationClient:
                           "wait_s": update["wait_s"]}
         return update["weight_version"]
 
+    def load_adapter(self, path: str | os.PathLike) -> int:
+        """Loads the PEFT adapter folder `path`, which the server reads itself (this machine, or a filesystem both
+        share), as the next weight version; returns it. Generation pauses meanwhile. last_push["bytes"] counts the
+        adapter's tensor bytes."""
+        info = self._info or self.info()
+        start = time.perf_counter()
+        update = self._request("POST", "/lora/load", json={"path": os.fspath(path)},
+                               timeout_s=info["limits"]["generate_timeout_s"] + self.sync_timeout_s + 60, retries=0)
+        self.last_push = {"transport": "folder", "in_place": False,
+                          "bytes": safetensors_data_bytes(os.path.join(path, "adapter_model.safetensors")),
+                          "seconds": time.perf_counter() - start, "reload_s": update["reload_s"],
+                          "wait_s": update["wait_s"]}
+        return update["weight_version"]
+
     def _join_group(self, device: torch.device, info: dict[str, Any], nbytes: int) -> WeightGroup:
         server_host = urlparse(self.url).hostname or "127.0.0.1"
         transport = self.transport or select_transport(device, info["device_uuids"], is_loopback(server_host), nbytes)
@@ -222,6 +239,14 @@ class GenerationClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def safetensors_data_bytes(path: str | os.PathLike) -> int:
+    """The bytes of a safetensors file's tensors (its size less the header): what a push of it delivers."""
+    with open(path, "rb") as handle:
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    return sum(entry["data_offsets"][1] - entry["data_offsets"][0]
+               for name, entry in header.items() if name != "__metadata__")
 
 
 def _local_address_towards(server_host: str) -> str:

@@ -3,6 +3,7 @@
     pool = ServerPool([GenerationClient(url) for url in urls])     # or launcher.serve(..., devices="4;5").client()
     outs = pool.generate(prompts, n=8, seed=s, ...)                  # outs[prompt][sample], in prompt order
     version = pool.push_weights(model.named_parameters())           # to every server at once, same version
+    version = pool.load_adapter(folder)                              # LoRA servers: an adapter, the same way
 
 Generation: the prompts are cut into one contiguous chunk per server, of sizes that differ by at most one (all n
 samples of a prompt stay in one chunk), and every server gets its chunk at once, as OpenRLHF and verl deal
@@ -75,8 +76,15 @@ class ServerPool:
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Pushes to every server in parallel; returns the weight version, the same on all."""
         named = [(name, tensor.detach()) for name, tensor in named_tensors]  # read by every thread
+        return self._to_all(lambda client: client.push_weights(named))
+
+    def load_adapter(self, path) -> int:
+        """As GenerationClient.load_adapter, on every server in parallel; returns the version, the same on all."""
+        return self._to_all(lambda client: client.load_adapter(path))
+
+    def _to_all(self, push) -> int:
         start = time.perf_counter()
-        futures = [in_thread(client.push_weights, named) for client in self.clients]
+        futures = [in_thread(push, client) for client in self.clients]
         versions, errors = {}, []
         for client, future in zip(self.clients, futures):
             try:
