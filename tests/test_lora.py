@@ -84,3 +84,19 @@ def test_only_the_adapter_trains_and_checkpoints_resume(tiny_tied, tmp_path):
     torch.testing.assert_close(logits, torch.load(out.with_suffix(".pt")), rtol=0, atol=1e-5)
     # Resumed from step 1, the same second step gives the same adapter: weights and Adam state restored.
     assert r["resumed_step"] == 1 and r["resume_gap"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_lora_quickstart_learns(tmp_path):
+    # The one end-to-end LoRA run: two servers with --enable-lora, an adapter pushed every step, validation
+    # through the servers, a final checkpoint with adapter/ and a merged hf/.
+    from train_runs import metrics, run, train_command
+
+    run(train_command("configs/quickstart_lora.yaml", f"logging.output_dir={tmp_path}", "checkpoint.save_every=0"),
+        timeout=900)
+    records = metrics(tmp_path / "quickstart_lora")
+    assert len(records) == 100
+    assert sum(r["reward/mean"] for r in records[:5]) / 5 < 0.4  # chance is about 0.15
+    assert records[-1]["val/quickstart_val/pass@1"] > 0.8
+    step = tmp_path / "quickstart_lora" / "checkpoints" / "step_100"
+    assert (step / "adapter" / "adapter_model.safetensors").is_file() and (step / "hf" / "model.safetensors").is_file()

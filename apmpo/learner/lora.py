@@ -46,11 +46,6 @@ def adapter_disabled(model):
         model.enable_adapters()
 
 
-def adapter_tensors(model) -> dict[str, torch.Tensor]:
-    """The adapter's own tensors, PEFT-named, as save_pretrained writes them."""
-    return model.get_adapter_state_dict()
-
-
 def push_policy(client, model) -> int:
     """Pushes the policy into the generation server(s) (a GenerationClient or a ServerPool); returns the new
     weight version. With an adapter only the adapter goes, as a PEFT folder the servers load from this machine's
