@@ -87,16 +87,16 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from apmpo.config import load_config
-    from apmpo.learner.prepare import resolve_model_path
+    from apmpo.learner.prepare import prepare_model
 
-    cfg = load_config(args.config)
     out = Path(args.out)
+    cfg = load_config(args.config, [f"logging.output_dir={out}", "logging.run_name=model"])
     out.mkdir(parents=True, exist_ok=True)
     variants = {"full": [], "full_eager": ["rollout.enforce_eager=true"],
                 "lora": [f"model.lora.rank={args.rank}", f"model.lora.alpha={2 * args.rank}",
                          f"optim.lr={cfg.optim.lr * args.lr_scale}"]}
-    results = {"config": args.config, "steps": args.steps, "push_bytes": push_bytes(
-        resolve_model_path(cfg.model.path), args.rank)}
+    results = {"config": args.config, "steps": args.steps,
+               "push_bytes": push_bytes(prepare_model(cfg, is_main=True), args.rank)}
     for name in args.runs.split(","):
         results[name] = train(args.config, out, name, args.steps, variants[name])
         print(name, json.dumps(results[name]), flush=True)
