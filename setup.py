@@ -26,6 +26,8 @@ setup(
         "transformers>=5.16.1,<5.20",
         "tokenizers",
         "deepspeed>=0.17",
+        # LoRA (model.lora): adapters added through transformers' PEFT integration, merged by PEFT's LoraLayer.
+        "peft>=0.21,<0.22",
         "safetensors",
         "numpy",
         "pyyaml",

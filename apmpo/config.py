@@ -95,6 +95,33 @@ def check_path(key: str, value: str) -> None:
                           f"{NAME_MAX} per name): {value[:60]!r}...")
 
 
+# The decoder's linear layers: what PEFT adapts and vLLM serves adapters for, in the Qwen2 and Llama models apmpo
+# trains (vLLM packs q/k/v and gate/up into one layer each, and takes adapters on any subset of their parts).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT) on the policy's linear layers: only the adapter trains, only the adapter is pushed to
+    the generation servers, and the KL reference is the base model (the adapter off). docs/lora.md."""
+    rank: int = ranged(16, "[1, 512]")  # vLLM serves adapters up to rank 512 (its largest --max-lora-rank)
+    alpha: float = ranged(32.0, "(0, 1e6]")  # the update is scaled by alpha / rank
+    # Must be 0: dropout makes the learner's log-probs random, so every ratio pi/pi_old would be noisy (the same
+    # reason engine.load_model refuses models with dropout), and vLLM applies none, so the engine would sample
+    # from another policy than the learner scores. Kept as a key so a PEFT habit (0.05) fails with that reason.
+    dropout: float = ranged(0.0, "[0, 1)")
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        if self.dropout != 0:
+            raise ValueError(f"model.lora.dropout must be 0, got {self.dropout}: dropout makes the learner's "
+                             "log-probs random (noisy ratios pi/pi_old) and vLLM's engine applies none")
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if not self.target_modules or unknown:
+            raise ValueError(f"model.lora.target_modules must be a non-empty subset of {list(LORA_TARGETS)}, "
+                             f"got {self.target_modules}")
+
+
 @dataclass
 class ModelConfig:
     # HF hub id, local directory, "quickstart" (the CPU quickstart's), or a name of apmpo.models (fetched)
@@ -108,6 +135,7 @@ class ModelConfig:
     # Default on: RL rewards judge the text, a few thousand diagrams are too few to retrain a 670M-parameter
     # encoder, and freezing drops its gradients and Adam state (~8 GB at 3B scale).
     freeze_vision_tower: bool = True
+    lora: LoraConfig | None = None  # None: full fine-tuning
 
 
 @dataclass
@@ -633,8 +661,11 @@ def _build(cls, data: Any, prefix: str, source: str):
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value if value is not None else {}, f"{prefix}{key}.", source)
+        optional = _optional_section(hint)
+        if optional is not None and value is None:
+            kwargs[key] = None  # an optional section left out (model.lora: null)
+        elif dataclasses.is_dataclass(optional or hint):
+            kwargs[key] = _build(optional or hint, value if value is not None else {}, f"{prefix}{key}.", source)
         else:
             kwargs[key] = value = _check_type(value, hint, f"{prefix}{key}", source)
             if "range" in metadata[key] and value is not None:
@@ -645,6 +676,13 @@ def _build(cls, data: Any, prefix: str, source: str):
         return cls(**kwargs)
     except ValueError as exc:  # e.g. LossConfig's own checks
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _optional_section(hint: Any) -> type | None:
+    """The dataclass of a `Section | None` field, else None."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    sections = [a for a in args if dataclasses.is_dataclass(a)]
+    return sections[0] if sections and type(None) in args else None
 
 
 def _check_type(value: Any, hint: Any, key: str, source: str) -> Any:

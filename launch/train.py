@@ -34,6 +34,7 @@ import torch.distributed as torch_dist
 from transformers import AutoTokenizer
 
 from apmpo.config import Config, ConfigError, load_config
+from apmpo.learner import lora
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
 from apmpo.learner.driver import Driver
@@ -60,7 +61,9 @@ def main(cfg: Config, resume: str) -> None:
         # -------------------------------------------------------------- model, engine, resume
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
-        reference = load_model(model_path, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
+        # With LoRA the reference is the policy itself, its adapter off (lora.adapter_disabled): no second copy.
+        reference = None if cfg.loss.kl_beta == 0 else (
+            engine.module if cfg.model.lora else load_model(model_path, cfg, dist.device, trainable=False))
         vision = load_vision(model_path, tokenizer)  # None for text models
         trainer_state = resume_checkpoint(engine, cfg.run_dir, resume, dist.rank)  # rank 0 picks it, all load it
         start_step = trainer_state.get("step", 0)
@@ -137,7 +140,8 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
                 mb.old_logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=True)
                 totals.add_entropy(entropy, mb, device)
             if reference is not None:
-                mb.ref_logp, _ = logprobs(reference, mb, cfg, device, packed)
+                with lora.adapter_disabled(reference):
+                    mb.ref_logp, _ = logprobs(reference, mb, cfg, device, packed)
     times["time/logprob"] = time.perf_counter() - tick
 
     # -------------------------------------------------------------- 7. update: epochs x mini-batches

@@ -27,6 +27,8 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
                 rf"ratio compiled/eager speed: {TIMES}"),
     "servers": (["--prompts", "4", "--n", "2", "--max-tokens", "8", "--repeats", "1"],
                 rf"ratio 2 servers/1 server: tokens/s {TIMES}, push {TIMES}"),
+    "lora": (["--config", "configs/quickstart.yaml", "--steps", "2", "--rank", "8", "--runs", "full,lora",
+              "--out", "/tmp/apmpo_bench_lora"], rf"ratio lora/full: push bytes \d+\.\d+x, .* s/step {TIMES}"),
 }
 
 

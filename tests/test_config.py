@@ -198,11 +198,11 @@ def _leaves(cls=Config, prefix=""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            yield from _leaves(hint, f"{prefix}{f.name}.")
-            continue
         if typing.get_origin(hint) in (typing.Union, types.UnionType):
             hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        if dataclasses.is_dataclass(hint):  # a section, or an optional one (model.lora)
+            yield from _leaves(hint, f"{prefix}{f.name}.")
+            continue
         yield f"{prefix}{f.name}", hint, f
 
 

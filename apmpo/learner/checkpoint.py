@@ -2,7 +2,9 @@
 
 Each holds the DeepSpeed state (module, ZeRO-partitioned optimiser, scheduler), every rank's RNG states,
 `trainer_state.json` (step, data position), and `hf/`: the policy in safetensors with its tokenizer and
-config, loadable by `AutoModelForCausalLM.from_pretrained` and by the generation server.
+config, loadable by `AutoModelForCausalLM.from_pretrained` and by the generation server. With LoRA (`model.lora`)
+it also holds `adapter/`, the adapter alone in PEFT's format, and `hf/` is the base model with the adapter merged
+in: a plain model.
 
 Everything is written into `step_<k>.tmp/` and renamed to `step_<k>/` only once all ranks have finished.
 A run killed at any point (SIGKILL mid-step or mid-save) leaves either a complete checkpoint or a `.tmp`
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
+from apmpo.learner.lora import has_adapter, save_merged
+
 DEEPSPEED_TAG = "deepspeed"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -47,7 +51,7 @@ def checkpoint_bytes(engine, world_size: int, export_hf: bool) -> int:
     """About what one checkpoint takes on disk, all ranks together: the module's weights (DeepSpeed's model
     states, and hf/ once more), ZeRO's fp32 master weights and Adam's two fp32 moments (12 bytes a parameter,
     partitioned over the ranks), and 1 MiB a rank for pickling, RNG states, config and tokenizer files."""
-    numel = sum(p.numel() for p in engine.module.parameters())
+    numel = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)  # only these have optimiser state
     weights = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     return weights * (2 if export_hf else 1) + 12 * numel + world_size * (1 << 20)
 
@@ -69,9 +73,10 @@ def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, token
         engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         if rank == 0:
+            if has_adapter(engine.module):
+                engine.module.save_pretrained(tmp / "adapter")  # adapter_config.json + adapter_model.safetensors
             if export_hf:
-                engine.module.save_pretrained(tmp / "hf", safe_serialization=True)
-                tokenizer.save_pretrained(tmp / "hf")
+                export_model(engine.module, tokenizer, tmp / "hf")
             (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
     except Exception as error:  # noqa: BLE001  (only a full disk is translated; anything else re-raises as is)
         if not _disk_full(error, root):
@@ -165,8 +170,7 @@ def save_best(model, tokenizer, run_dir: Path, step: int, key: str, value: float
     root = checkpoint_dir(run_dir)
     tmp, final, old = root / "best.tmp", root / "best", root / "best.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "hf", safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "hf")
+    export_model(model, tokenizer, tmp / "hf")
     (tmp / "best.json").write_text(json.dumps({"key": key, "value": value, "step": step}, indent=1))
     _fsync_tree(tmp)
     shutil.rmtree(old, ignore_errors=True)
@@ -175,6 +179,15 @@ def save_best(model, tokenizer, run_dir: Path, step: int, key: str, value: float
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return True
+
+
+def export_model(model, tokenizer, directory: Path) -> None:
+    """The policy as a plain HF model (safetensors, config, tokenizer): with LoRA, the adapter merged in."""
+    if has_adapter(model):
+        save_merged(model, directory)
+    else:
+        model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
 
 
 def remove_incomplete(run_dir: Path) -> None:

@@ -23,6 +23,7 @@ from apmpo.config import Config, save_config
 from apmpo.data import stop_token_ids
 from apmpo.envs.episodes import EpisodeRunner
 from apmpo.eval.validate import Validation
+from apmpo.learner import lora
 from apmpo.learner.batching import Rollout
 from apmpo.learner.checkpoint import save_best
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
@@ -61,7 +62,8 @@ class Driver(contextlib.ExitStack):
             log_path=cfg.run_dir / "server.log", devices=r.devices, num_servers=r.num_servers,
             gpu_memory_utilization=gpu_memory_utilization(r.gpu_memory_utilization, shares_gpu),
             tensor_parallel_size=r.tensor_parallel_size,
-            max_model_len=r.max_model_len, extra_args=("--enforce-eager",) if r.enforce_eager else (),
+            max_model_len=r.max_model_len,
+            extra_args=(("--enforce-eager",) if r.enforce_eager else ()) + lora.server_args(cfg),
             dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed,
             wait=shares_gpu, overlap=cfg.overlap))
         self.policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
@@ -86,7 +88,8 @@ class Driver(contextlib.ExitStack):
             sync_timeout_s=r.sync_timeout_s))
         # Now, while no generation holds the engines: a join behind a batch's generation would outlast the deadline
         # (minutes of 512 x 8 samples on GPU) with max_staleness >= 1.
-        self.client.join_weight_group(engine.module.named_parameters())
+        if not lora.has_adapter(engine.module):  # an adapter goes as a folder, through no weight group
+            self.client.join_weight_group(engine.module.named_parameters())
         if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
             self.push(engine.module)
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
@@ -109,8 +112,8 @@ class Driver(contextlib.ExitStack):
         return Batch(batch.rollouts, batch.params, batch.metrics | staleness, times)
 
     def push(self, model) -> dict[str, float]:
-        """The learner's weights into every server; the seconds, and the part the engines spent loading."""
-        self.policy_version = self.client.push_weights(model.named_parameters())
+        """The learner's weights (or its adapter) into every server; the seconds, and the engines' loading part."""
+        self.policy_version = lora.push_policy(self.client, model)  # the adapter alone with LoRA
         push = self.client.last_push
         return {"time/weight_sync": push["seconds"], "time/weight_sync_engine_load": push["reload_s"] - push["wait_s"]}
 

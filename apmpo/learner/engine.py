@@ -127,7 +127,11 @@ def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = T
     model.to(device)
     if not trainable:
         return model.eval().requires_grad_(False)
-    if vision and cfg.model.freeze_vision_tower:
+    if cfg.model.lora is not None:  # only the adapter trains (the vision tower and merger too stay frozen)
+        from apmpo.learner.lora import add_adapter
+
+        add_adapter(model, cfg.model.lora)
+    elif vision and cfg.model.freeze_vision_tower:
         # The vision encoder's blocks; the merger (the projector into the language model) stays trainable.
         tower = model.model.visual
         for name, param in tower.named_parameters():

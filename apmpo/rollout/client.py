@@ -4,6 +4,7 @@
     client.wait_ready(timeout_s=300)
     outs = client.generate(prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=512)  # outs[prompt][sample]
     version = client.push_weights(model.named_parameters())
+    version = client.load_adapter("/dev/shm/adapter")     # a LoRA server (--enable-lora): a PEFT adapter folder
     client.close()
 
 Every call has a timeout, connection errors are retried a bounded number of times, and a server that stays
@@ -14,6 +15,8 @@ from __future__ import annotations
 import base64
 import functools
 import itertools
+import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -152,6 +155,20 @@ class GenerationClient:
         """
         (update,) = self._sender.push(named_tensors)
         self.last_push = self._sender.last_push
+        return update["weight_version"]
+
+    def load_adapter(self, path: str | os.PathLike) -> int:
+        """Loads the PEFT adapter folder `path`, which the server reads itself (this machine, or a filesystem both
+        share), as the next weight version; returns it. Generation pauses meanwhile. last_push["bytes"] counts the
+        adapter's tensor bytes."""
+        info = self._info or self.info()
+        start = time.perf_counter()
+        update = self._request("POST", "/lora/load", json={"path": os.fspath(path)},
+                               timeout_s=info["limits"]["generate_timeout_s"] + self.sync_timeout_s + 60, retries=0)
+        self.last_push = {"transport": "folder", "in_place": False,
+                          "bytes": safetensors_data_bytes(os.path.join(path, "adapter_model.safetensors")),
+                          "seconds": time.perf_counter() - start, "reload_s": update["reload_s"],
+                          "wait_s": update["wait_s"]}
         return update["weight_version"]
 
     def close(self) -> None:
@@ -321,4 +338,11 @@ def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:
     if not finite.all():
         name = floating[int((~finite).nonzero()[0])][0]
         raise ValueError(f"weight push refused: {name!r} holds NaN or infinite values (a diverged update?)")
+
+def safetensors_data_bytes(path: str | os.PathLike) -> int:
+    """The bytes of a safetensors file's tensors (its size less the header): what a push of it delivers."""
+    with open(path, "rb") as handle:
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    return sum(entry["data_offsets"][1] - entry["data_offsets"][0]
+               for name, entry in header.items() if name != "__metadata__")
 

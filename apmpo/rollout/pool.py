@@ -3,6 +3,7 @@
     pool = ServerPool([GenerationClient(url) for url in urls])     # or launcher.serve(..., devices="4;5").client()
     outs = pool.generate(prompts, n=8, seed=s, ...)                  # outs[prompt][sample], in prompt order
     version = pool.push_weights(model.named_parameters())           # to every server at once, same version
+    version = pool.load_adapter(folder)                              # LoRA servers: an adapter, the same way
 
 Generation: the prompts are cut into one contiguous chunk per server, of sizes that differ by at most one (all n
 samples of a prompt stay in one chunk), and every server gets its chunk at once, as OpenRLHF and verl deal
@@ -92,19 +93,27 @@ class ServerPool:
         all."""
         named = [(name, tensor.detach()) for name, tensor in named_tensors]  # read by every thread
         start = time.perf_counter()
-        if self.sender is not None:
-            try:
-                updates = self.sender.push(named)
-            except Exception as error:  # noqa: BLE001 (named as the per-server path names it)
-                raise ServerError(f"weight push failed on the weight group of all {len(self.clients)} generation "
-                                  f"servers ({', '.join(self.urls)}): {error}") from error
-            versions = {client.url: update["weight_version"] for client, update in zip(self.clients, updates)}
-            pushes = [{**self.sender.last_push, **update} for update in updates]
-        else:
-            futures = [in_thread(client.push_weights, named) for client in self.clients]
-            self._raise_failures([future.exception() for future in futures])
-            versions = {client.url: future.result() for client, future in zip(self.clients, futures)}
-            pushes = [client.last_push for client in self.clients]
+        if self.sender is None:
+            return self._to_all(lambda client: client.push_weights(named), start)
+        try:
+            updates = self.sender.push(named)
+        except Exception as error:  # noqa: BLE001 (named as the per-server path names it)
+            raise ServerError(f"weight push failed on the weight group of all {len(self.clients)} generation "
+                              f"servers ({', '.join(self.urls)}): {error}") from error
+        versions = {client.url: update["weight_version"] for client, update in zip(self.clients, updates)}
+        return self._settle(versions, [{**self.sender.last_push, **update} for update in updates], start)
+
+    def load_adapter(self, path) -> int:
+        """As GenerationClient.load_adapter, on every server in parallel; returns the version, the same on all."""
+        return self._to_all(lambda client: client.load_adapter(path), time.perf_counter())
+
+    def _to_all(self, push, start: float) -> int:
+        futures = [in_thread(push, client) for client in self.clients]
+        self._raise_failures([future.exception() for future in futures])
+        versions = {client.url: future.result() for client, future in zip(self.clients, futures)}
+        return self._settle(versions, [client.last_push for client in self.clients], start)
+
+    def _settle(self, versions: dict[str, int], pushes: list[dict], start: float) -> int:
         if len(set(versions.values())) > 1:
             raise ServerError(f"the generation servers report different weight versions after the push: {versions} "
                               "(one was restarted, or pushed by another learner): restart them together")

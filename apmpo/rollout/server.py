@@ -11,6 +11,8 @@ Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token
     POST /weights/finish  wait for the load, reset the prefix cache, bump the weight version, resume
     POST /weights/load    shm, once the workers map the learner's segment: the learner has written the whole
                           update into it, so the server loads it as begin + finish would, in one request
+    POST /lora/load       --enable-lora: a PEFT adapter folder (on this machine) becomes the next weight version,
+                          named policy-v<version>; later generations use it on top of the served model
     POST /shutdown
 
 A push is checked against the served model before anything is loaded (every parameter, by its HF name, shape and
@@ -123,7 +125,9 @@ class InfoResponse(BaseModel):
     num_workers: int
     multimodal: bool
     kv_block_size: int  # the n samples of a prompt share its whole blocks of this many tokens (prefix cache)
-    compiled: bool  # the model runs through torch.compile (--enforce-eager: no)
+    compiled: bool  # the model runs through torch.compile (--enforce-eager: no; on CPU, --enable-lora: no)
+    max_lora_rank: int | None  # --enable-lora: vLLM's adapter rank limit; None: no adapters
+    lora_ids: list[int]  # the adapters loaded, by weight version (policy-v<id>), oldest first
     device_uuids: list[str]  # one per worker; empty strings on CPU
     limits: dict[str, float]
 
@@ -155,6 +159,10 @@ class BeginUpdateRequest(_Strict):
 
 class LoadUpdateRequest(BeginUpdateRequest):
     segment: str  # the shm segment the workers mapped in an earlier push (its path, a unique name)
+
+
+class LoadAdapterRequest(_Strict):
+    path: str  # a folder as PEFT's save_pretrained writes it (adapter_config.json, adapter_model.safetensors)
 
 
 class WeightVersionResponse(BaseModel):
@@ -214,7 +222,8 @@ def check_token(token: str | None) -> None:
         raise ValueError("the bearer token is empty")
 
 
-def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastAPI:
+def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_versions: int = 1) -> FastAPI:
+    """`lora_versions`: adapters kept loaded, the newest ones (--lora-versions)."""
     from apmpo.rollout import vllm_compat as compat
 
     check_token(token)
@@ -225,8 +234,10 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     engine_lock = threading.Lock()
     # update: Future of the running weight update; step_at: when a running generate last heard from the engine;
     # group: the transport of the workers' weight group, once joined; broken: why the engine's weights are a mix
-    # (an update failed after its load began), until a complete push succeeds
-    state: dict[str, Any] = {"version": 0, "update": None, "step_at": None, "group": None, "broken": None}
+    # (an update failed after its load began), until a complete push succeeds; adapters: the loaded LoRARequests,
+    # oldest first; lora: the one generation uses (None: the model alone)
+    state: dict[str, Any] = {"version": 0, "update": None, "step_at": None, "group": None, "broken": None,
+                             "adapters": [], "lora": None}
 
     def authorize(request: Request) -> None:
         if token is None:
@@ -270,6 +281,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
     @app.get("/info", dependencies=auth)
     def info() -> InfoResponse:
         return InfoResponse(model=model, weight_version=state["version"], device_uuids=device_uuids,
+                            lora_ids=[adapter.lora_int_id for adapter in state["adapters"]],
                             limits={"max_prompts": limits.max_prompts, "max_n": limits.max_n,
                                     "max_tokens": limits.max_tokens, "generate_timeout_s": limits.generate_timeout_s},
                             **engine)
@@ -295,7 +307,9 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
             return gone.is_set() or state["step_at"] > deadline
 
         try:
-            outputs = compat.generate(llm, req.prompts, params, images=req.images, should_stop=should_stop)
+            # The adapter of this version: loads wait for the engine lock, so a request keeps the one it started with.
+            outputs = compat.generate(llm, req.prompts, params, images=req.images, should_stop=should_stop,
+                                      lora=state["lora"])
             return GenerateResponse(outputs=[[Sample(**s) for s in row] for row in outputs],
                                     weight_version=state["version"])
         except compat.Aborted:
@@ -384,6 +398,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
                 compat.reset_caches(llm)
             state["broken"] = None
             state["version"] += 1
+            state["lora"] = None  # the weights are the whole policy now: no adapter on top
             return WeightUpdateResponse(weight_version=state["version"], **max(timings, key=lambda t: t["reload_s"]))
 
     def check_push(req: BeginUpdateRequest) -> None:
@@ -448,6 +463,35 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None) -> FastA
             raise HTTPException(500, f"weight update failed after its load began; the server generates nothing until a "
                                      f"complete push: {error!r}") from None
 
+    @app.post("/lora/load", dependencies=auth)
+    def load_adapter(req: LoadAdapterRequest) -> WeightUpdateResponse:
+        """The adapter in `req.path` as the next weight version. No prefix-cache reset: vLLM's block hashes include
+        the adapter's name, so no version reuses another's KV. Adapters older than the newest --lora-versions are
+        unloaded."""
+        if engine["max_lora_rank"] is None:
+            raise HTTPException(409, "this server was started without --enable-lora: it cannot load adapters")
+        if not os.path.isfile(os.path.join(req.path, "adapter_config.json")):
+            raise HTTPException(400, f"{req.path} holds no adapter_config.json: not a PEFT adapter folder on this "
+                                     "machine (the server reads the path itself)")
+        if not engine_lock.acquire(timeout=limits.generate_timeout_s + limits.update_timeout_s):
+            raise HTTPException(503, "generation did not drain in time")
+        try:
+            start = time.monotonic()
+            version = state["version"] + 1
+            try:
+                adapter = compat.add_adapter(llm, f"policy-v{version}", version, req.path)
+            except Exception as error:  # nothing changed: the served version stays
+                log.exception("adapter load failed")
+                raise HTTPException(500, f"loading the adapter in {req.path} failed: {error!r}") from None
+            state["adapters"].append(adapter)
+            for old in state["adapters"][:-lora_versions]:
+                compat.remove_adapter(llm, old)
+            state["adapters"] = state["adapters"][-lora_versions:]
+            state["version"], state["lora"] = version, adapter
+            return WeightUpdateResponse(weight_version=version, reload_s=time.monotonic() - start, wait_s=0.0)
+        finally:
+            engine_lock.release()
+
     @app.post("/shutdown", dependencies=auth)
     def shutdown() -> dict[str, str]:
         # SIGINT lets uvicorn finish this response and shut down cleanly (the engine's finalizers then run).
@@ -483,6 +527,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generate-timeout-s", type=float, default=Limits.generate_timeout_s,
                         help="longest a /generate may hold the engine; then its generation is aborted (504)")
     parser.add_argument("--max-images-per-prompt", type=int, default=1, help="vision-language models only")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters pushed to /lora/load (on CPU the model then runs eagerly)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="with --enable-lora: the largest adapter rank")
+    parser.add_argument("--lora-versions", type=int, default=1,
+                        help="with --enable-lora: adapters kept loaded, the newest (1 + train.max_staleness)")
     args = parser.parse_args(argv)
     try:
         check_token(args.token)
@@ -490,6 +539,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--token must not be empty (nor $APMPO_SERVER_TOKEN, its default): unset it or give a secret")
     if args.token is None and not is_loopback(args.host):
         parser.error(f"--token is required when serving on a non-loopback host ({args.host})")
+    if args.lora_versions < 1 or not 1 <= args.max_lora_rank <= 512:
+        parser.error("--lora-versions must be >= 1 and --max-lora-rank lie in [1, 512] (vLLM's largest)")
     return args
 
 
@@ -540,10 +591,11 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed, enforce_eager=args.enforce_eager,
-        max_images_per_prompt=args.max_images_per_prompt))
+        max_images_per_prompt=args.max_images_per_prompt,
+        max_lora_rank=args.max_lora_rank if args.enable_lora else None, lora_versions=args.lora_versions))
     gc.enable()
     limits = Limits(args.max_prompts, args.max_n, args.max_tokens, args.update_timeout_s, args.generate_timeout_s)
-    app = create_app(llm, args.model, limits, args.token)
+    app = create_app(llm, args.model, limits, args.token, lora_versions=args.lora_versions)
     log.info("serving %s on http://%s:%d", args.model, args.host, listener.getsockname()[1])
     try:
         # In-flight requests get 5 s after a signal, then they are cancelled, which aborts their generation.

@@ -19,6 +19,12 @@ Names relied on, checked against vllm 0.32.0's source:
 - vision-language: `LLM(limit_mm_per_prompt={"image": k, "video": 0})`, `TokensPrompt(multi_modal_data={"image":
   [PIL images]})` with one image pad per image (vLLM expands it; an already expanded prompt is NOT recognised:
   it expands the first pad again), `vllm.ModelRegistry.register_model(name, cls)`   model_executor/models/
+- LoRA: `LLM(enable_lora=, max_lora_rank=, max_loras=, max_cpu_loras=)` (config/lora.py: max_lora_rank one of
+  `MaxLoRARanks`), `vllm.lora.request.LoRARequest(lora_name, lora_int_id >= 1, lora_path)`, `llm_engine.add_lora`,
+  `.remove_lora(id)` (v1/engine/llm_engine.py), `add_request(..., lora_request=)`. The prefix cache's block hashes
+  include the adapter's name and path (v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys`), so blocks of one
+  adapter are never reused under another. On CPU an engine with LoRA never compiles (platforms/cpu.py sets
+  `CompilationMode.NONE` when `lora_config` is set).
 - in the worker: `self.model_runner.reload_weights(weights_iterator=, is_checkpoint_format=True)` and
   `self.model_runner.model_config`. On CPU the runner is the V1 one (v1/worker/gpu_model_runner.py, which
   cpu_model_runner.py inherits). On GPU vLLM 0.33 runs Model Runner V2 by default (`VllmConfig.use_v2_model_runner`,
@@ -40,6 +46,7 @@ import importlib.metadata
 import itertools
 import inspect
 import os
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -122,8 +129,10 @@ no_torchvision.install()  # before vLLM imports its Qwen2-VL module; a no-op whe
 import vllm  # noqa: E402  (after the version check, so a wrong version fails with the message above)
 from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
 from vllm.config import CompilationMode  # noqa: E402
+from vllm.config.lora import MaxLoRARanks  # noqa: E402
 from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.logprobs import LogprobsProcessor  # noqa: E402
@@ -186,6 +195,8 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False  # no torch.compile (nor CUDA graphs on GPU): a faster start, slower steps
     max_images_per_prompt: int = 1  # vision-language models only; videos are always off
+    max_lora_rank: int | None = None  # serve LoRA adapters up to this rank; None: no LoRA
+    lora_versions: int = 1  # adapters loaded at once (one per weight version that requests may still use)
 
 
 def compiles_on_cpu(vision: bool) -> bool:
@@ -238,7 +249,31 @@ def build_engine(args: EngineArgs) -> vllm.LLM:
             # prefill is split across steps, and whole prefills avoid it; CPU_BLOCK_SIZE shares prompts' prefills.
             **({} if torch.cuda.is_available() else {"enable_chunked_prefill": False, "block_size": CPU_BLOCK_SIZE}),
             **({"limit_mm_per_prompt": {"image": args.max_images_per_prompt, "video": 0}} if vision else {}),
+            **(_lora_args(args) if args.max_lora_rank is not None else {}),
         )
+
+
+def _lora_args(args: EngineArgs) -> dict[str, Any]:
+    """vLLM sizes its adapter slots by a rank from a fixed set: the smallest that holds ours. One more adapter in
+    its CPU-side cache than are in use, so that a new version loads before the oldest is removed (not evicted)."""
+    ranks = typing.get_args(MaxLoRARanks)
+    fitting = [r for r in ranks if r >= args.max_lora_rank]
+    if not fitting:
+        raise ValueError(f"--max-lora-rank {args.max_lora_rank}: vLLM serves adapters up to rank {max(ranks)}")
+    return {"enable_lora": True, "max_lora_rank": min(fitting), "max_loras": args.lora_versions,
+            "max_cpu_loras": args.lora_versions + 1}
+
+
+def add_adapter(llm: vllm.LLM, name: str, lora_id: int, path: str) -> LoRARequest:
+    """Loads a PEFT adapter folder; requests that name the returned LoRARequest generate with it."""
+    request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+    if not llm.llm_engine.add_lora(request):
+        raise RuntimeError(f"vLLM did not load the adapter {name} from {path}")
+    return request
+
+
+def remove_adapter(llm: vllm.LLM, request: LoRARequest) -> None:
+    llm.llm_engine.remove_lora(request.lora_int_id)
 
 
 @contextlib.contextmanager
@@ -282,6 +317,7 @@ def engine_info(llm: vllm.LLM) -> dict[str, Any]:
         "multimodal": model_config.is_multimodal_model,
         "kv_block_size": llm.llm_engine.vllm_config.cache_config.block_size,  # the prompt share of n samples
         "compiled": llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE,
+        "max_lora_rank": getattr(llm.llm_engine.vllm_config.lora_config, "max_lora_rank", None),  # None: no LoRA
     }
 
 
@@ -326,9 +362,10 @@ _calls = itertools.count()
 
 def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.SamplingParams],
              images: list[list[str]] | None = None,
-             should_stop: Callable[[], bool] = lambda: False) -> list[list[dict]]:
+             should_stop: Callable[[], bool] = lambda: False, lora: LoRARequest | None = None) -> list[list[dict]]:
     """Per prompt, per sample: token_ids, text, logprobs (of each sampled token), finish_reason. images[i]:
-    prompt i's base64 images, passed as vLLM's multi_modal_data (the prompt has one image pad per image).
+    prompt i's base64 images, passed as vLLM's multi_modal_data (the prompt has one image pad per image). `lora`:
+    the adapter every request generates with (None: the model alone).
 
     LLM.generate taken apart: the same rendering, the same order of requests, one engine step at a time, so
     seeded outputs are LLM.generate's. Between steps `should_stop()` may end the call (Aborted). However the call
@@ -351,7 +388,7 @@ def generate(llm: vllm.LLM, prompts: list[list[int]], params: list[vllm.Sampling
                 if should_stop():  # adding thousands of prompts x n samples takes seconds too
                     raise Aborted(f"stopped while adding {len(ids)} prompts")
                 sampling.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(request_id, engine_input, sampling)
+                engine.add_request(request_id, engine_input, sampling, lora_request=lora)
         except (ValueError, TypeError, OSError, VLLMClientError) as error:  # OSError: PIL's unreadable image
             raise RequestRejected(str(error)) from error
         while len(finished) < len(ids):

@@ -1,0 +1,95 @@
+"""LoRA: the policy as a base model plus a PEFT adapter (config `model.lora`), trained, pushed and saved as such.
+
+The adapter is added to the HF model in place (transformers' PEFT integration, `model.add_adapter`), so the model
+keeps its own interface (`model.model` is still the backbone that apmpo.learner.logprobs runs) and only the
+adapter's parameters require gradients: DeepSpeed's optimiser holds only them. The KL reference is the same model
+with its adapter off (`adapter_disabled`), not a second copy. A push writes the adapter alone, in PEFT's folder
+format, and each generation server loads it as the next weight version (`policy-v<k>`, rollout/server.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from apmpo.config import Config, LoraConfig
+from apmpo.rollout.weight_sync import SHM_DIR
+
+
+def add_adapter(model, cfg: LoraConfig) -> None:
+    """Adds a fresh LoRA adapter (B = 0: the policy starts as the base model) and freezes everything else."""
+    import peft
+
+    model.add_adapter(peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                      target_modules=list(cfg.target_modules), bias="none"))
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name)
+
+
+def has_adapter(model) -> bool:
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+@contextlib.contextmanager
+def adapter_disabled(model):
+    """The base model: `model` with its adapter off inside (a model without one is itself)."""
+    if not has_adapter(model):
+        yield model
+        return
+    model.disable_adapters()
+    try:
+        yield model
+    finally:
+        model.enable_adapters()
+
+
+def push_policy(client, model) -> int:
+    """Pushes the policy into the generation server(s) (a GenerationClient or a ServerPool); returns the new
+    weight version. With an adapter only the adapter goes, as a PEFT folder the servers load from this machine's
+    shared memory (else its temp directory): servers on other machines need rollout.url(s) on a shared
+    filesystem, which this version does not provide. Without one, every weight, through the weight group."""
+    if not has_adapter(model):
+        return client.push_weights(model.named_parameters())
+    root = SHM_DIR if os.path.isdir(SHM_DIR) else None
+    with tempfile.TemporaryDirectory(prefix="apmpo-adapter-", dir=root) as folder:
+        model.save_pretrained(folder)  # adapter_model.safetensors + adapter_config.json (PEFT's format)
+        # The server has read it when the call returns (vLLM keeps loaded adapters in memory), so it can go.
+        return client.load_adapter(folder)
+
+
+def server_args(cfg: Config) -> tuple[str, ...]:
+    """The generation server's flags for this run's adapters: a rank limit, and how many versions it keeps (a
+    batch generated up to train.max_staleness pushes ago may still be in flight with its own)."""
+    lora = cfg.model.lora
+    if lora is None:
+        return ()
+    return ("--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-versions", str(cfg.train.max_staleness + 1))
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The base model's state dict with the adapter merged in (W + scale * B A), under the base model's names:
+    merge_and_unload's result, computed without copying the (DeepSpeed-wrapped) model."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {f"{name}.weight": module.get_delta_weight(module.active_adapters[0])
+              for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    merged = {}
+    for key, tensor in model.state_dict().items():
+        if ".lora_" in key:
+            continue
+        plain = key.replace(".base_layer.", ".")
+        merged[plain] = (tensor + deltas[plain]).detach() if plain in deltas else tensor.detach()
+    return merged
+
+
+def save_merged(model, directory: str | Path) -> None:
+    """Writes the policy with its adapter merged as a plain HF model: from_pretrained and a fresh generation
+    server load it with no PEFT involved."""
+    with torch.device("meta"):
+        plain = type(model)(model.config)
+    plain.load_state_dict(merged_state_dict(model), assign=True, strict=True)
+    plain.tie_weights()
+    plain.save_pretrained(directory, safe_serialization=True)

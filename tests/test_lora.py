@@ -1,0 +1,107 @@
+"""LoRA in the learner (apmpo.learner.lora, model.lora): config, what trains, the reference, checkpoints with the
+adapter and a merged hf/, resume. The engine parts run on the real DeepSpeed engine in one worker process
+(tests/lora_worker.py); the server's side is tests/test_lora_server.py."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from apmpo.config import ConfigError, LoraConfig, load_config
+from apmpo.learner import lora
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lora_is_off_unless_configured_and_a_section_turns_it_on():
+    assert load_config(None).model.lora is None
+    cfg = load_config(None, ["model.lora.rank=8"])
+    assert cfg.model.lora == LoraConfig(rank=8) and cfg.model.lora.dropout == 0.0
+    assert lora.server_args(load_config(None, ["model.lora.rank=8", "train.max_staleness=2"])) == (
+        "--enable-lora", "--max-lora-rank", "8", "--lora-versions", "3")
+    assert lora.server_args(load_config(None)) == ()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.lora.dropout=0.05", "model.lora.dropout must be 0"),
+    ("model.lora.rank=0", r"model.lora.rank must lie in \[1, 512\]"),
+    ("model.lora.alpha=0", r"model.lora.alpha must lie in \(0, 1e6\]"),
+    ("model.lora.target_modules=[lm_head]", "model.lora.target_modules must be a non-empty subset"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules must be a non-empty subset"),
+    ("model.lora.rnk=4", "did you mean 'model.lora.rank'"),
+])
+def test_bad_lora_config_fails_at_load_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_the_shipped_lora_quickstart_loads():
+    cfg = load_config(ROOT / "configs" / "quickstart_lora.yaml")
+    assert cfg.model.lora is not None
+
+
+def test_a_merged_export_is_a_plain_model_equal_to_the_adapter_applied(tiny_untied, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_untied, dtype=torch.float32)
+    lora.add_adapter(model, LoraConfig(rank=4, alpha=8))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    lora.save_merged(model, tmp_path)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert not lora.has_adapter(merged) and not any(".lora_" in n for n in merged.state_dict())
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        applied, plain = model(ids).logits, merged(ids).logits
+        with lora.adapter_disabled(model):
+            assert (model(ids).logits - applied).abs().max() > 0.1  # the adapter matters
+    torch.testing.assert_close(plain, applied, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_only_the_adapter_trains_and_checkpoints_resume(tiny_tied, tmp_path):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "lora_worker.py"), str(tiny_tied),
+                           str(tmp_path / "run"), str(out)], capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    # The optimiser holds exactly the adapter: A and B of the 7 projections of each of the 2 layers.
+    assert r["trainable"] == sorted(n for n in r["all"] if ".lora_" in n) and len(r["trainable"]) == 2 * 7 * 2
+    assert r["base_moved"] == 0.0 and r["policy_gap"] > 0  # a step moved the adapter only
+    assert r["reference_gap"] == 0.0  # the adapter off is the base model, exactly
+    step = Path(r["checkpoint"])
+    with safe_open(step / "adapter" / "adapter_model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(f"base_model.model.{n.replace('.default', '')}" for n in r["trainable"])
+    merged = AutoModelForCausalLM.from_pretrained(step / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        logits = merged(torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])).logits
+    torch.testing.assert_close(logits, torch.load(out.with_suffix(".pt")), rtol=0, atol=1e-5)
+    # Resumed from step 1, the same second step gives the same adapter: weights and Adam state restored.
+    assert r["resumed_step"] == 1 and r["resume_gap"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_lora_quickstart_trains_serves_and_checkpoints(tmp_path):
+    # The one end-to-end LoRA run, shortened: two servers with --enable-lora, an adapter pushed after every step,
+    # validation through the servers, a checkpoint with adapter/ and a merged hf/. (It does not learn the task
+    # within 100 steps yet: docs/lora.md.)
+    from train_runs import metrics, run, train_command
+
+    run(train_command("configs/quickstart_lora.yaml", f"logging.output_dir={tmp_path}", "train.steps=4",
+                      "checkpoint.save_every=4", "eval.every=2"), timeout=900)
+    records = metrics(tmp_path / "quickstart_lora")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    # Every batch came from the newest adapter (version = step - 1), and the engine's log-probs are the
+    # learner's: an adapter that was not delivered (verl#7495) would show as a mismatch from step 2 on.
+    assert all(r["rollout/staleness"] == 0 for r in records)
+    assert all(abs(r["rollout/mismatch_kl_k3"]) < 1e-5 for r in records), [r["rollout/mismatch_kl_k3"] for r in records]
+    assert records[-1]["policy/approx_kl"] > 0  # the adapter moved
+    assert "val/quickstart_val/pass@1" in records[1] and "val/quickstart_val/pass@1" in records[3]
+    step = tmp_path / "quickstart_lora" / "checkpoints" / "step_4"
+    assert (step / "adapter" / "adapter_model.safetensors").is_file() and (step / "hf" / "model.safetensors").is_file()

