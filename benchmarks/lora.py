@@ -2,7 +2,7 @@
 seconds per step, the reward curve over the same steps, and what LoRA's eager engine costs on CPU.
 
     python -m apmpo.models fetch smollm2-135m-instruct
-    python benchmarks/lora.py [--steps 10] [--config configs/smollm2_arith.yaml] [--out runs/bench_lora]
+    python benchmarks/lora.py [--steps 10] [--config configs/smollm2_arith.yaml] [--out runs/bench_lora] [--set k=v]
 
 Three runs of launch/train.py with the same seed, data and prompts (validation and checkpoints off):
 - full: full fine-tuning, the config as it is (its server compiles the model on CPU);
@@ -70,7 +70,7 @@ def push_bytes(model_path: str, rank: int) -> dict[str, int]:
     from apmpo.learner import lora
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    full = sum(t.numel() * 4 for t in model.state_dict().values())
+    full = sum(p.numel() * 4 for p in model.parameters())  # a tied head is not sent twice (weight_sync)
     lora.add_adapter(model, LoraConfig(rank=rank, alpha=2 * rank))
     adapter = sum(t.numel() * t.element_size() for t in model.get_adapter_state_dict().values())
     return {"full": full, "lora": adapter}
@@ -84,13 +84,15 @@ def main() -> None:
     parser.add_argument("--lr-scale", type=float, default=10.0, help="LoRA's learning rate / full fine-tuning's")
     parser.add_argument("--runs", default="full,full_eager,lora")
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench_lora"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, e.g. --set rollout.max_tokens=64 (repeatable)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from apmpo.config import load_config
     from apmpo.learner.prepare import prepare_model
 
     out = Path(args.out)
-    cfg = load_config(args.config, [f"logging.output_dir={out}", "logging.run_name=model"])
+    cfg = load_config(args.config, [*args.set, f"logging.output_dir={out}", "logging.run_name=model"])
     out.mkdir(parents=True, exist_ok=True)
     variants = {"full": [], "full_eager": ["rollout.enforce_eager=true"],
                 "lora": [f"model.lora.rank={args.rank}", f"model.lora.alpha={2 * args.rank}",
@@ -98,7 +100,7 @@ def main() -> None:
     results = {"config": args.config, "steps": args.steps,
                "push_bytes": push_bytes(prepare_model(cfg, is_main=True), args.rank)}
     for name in args.runs.split(","):
-        results[name] = train(args.config, out, name, args.steps, variants[name])
+        results[name] = train(args.config, out, name, args.steps, args.set + variants[name])
         print(name, json.dumps(results[name]), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
