@@ -16,16 +16,17 @@ is enumerated once and hashed, and one hash value in HELD_OUT_EVERY belongs to t
 split is TEST_SIZE distinct problems of that side; training draws from the other side, names and objects varied
 (rows from a seeded random.Random, the same on every machine and Python version).
 
-Difficulty, measured with SmolLM2-135M-Instruct (apmpo.models) through the server at temperature 0.7, 128 tokens,
-64 to 128 samples a setting (the numbers move by about 0.04 between samples of that size):
-- the GSM8K-like first version, one or two operations on numbers up to 60 with the default math prompt: pass@1
-  0.000 (77% cut at 128 tokens) at temperature 1, 0.012 at 0.6;
-- one operation on one-digit numbers with the default math prompt: 0.00-0.14 (0.09 on average over +, -, x and
-  a sum; 33-56% cut: the model states its sum, then loops or never says which number is the answer);
-- the same with SYSTEM_PROMPT: 0.05-0.13 (0.09 on average; 22-38% cut), and 0.46 greedy (the default prompt).
+Difficulty, measured with SmolLM2-135M-Instruct (apmpo.models) through the server (64 to 256 samples a setting: the
+figures move by about 0.04 between samples of that size):
+- the first version, GSM8K-like, one or two operations on numbers up to 60, default math prompt: held-out pass@1
+  0.002 at temperature 1 (256 tokens, 48% cut), 0.000 at 1 (128 tokens, 77% cut), 0.012 at 0.6 (160 tokens);
+- one operation on one-digit numbers, default math prompt, temperature 0.7, 128 tokens: 0.00-0.14 by template
+  (0.07 on average; 33-56% cut: the model states its sum, then loops or never says which number is the answer);
+  0.46 greedy;
+- the same with SYSTEM_PROMPT: 0.05-0.13 by template (0.09 on average; 22-38% cut);
 - this dataset, through python -m apmpo.eval (64 held-out problems x 4, 128 tokens): pass@1 0.090 at temperature
-  0.7 (30% cut, 82 tokens on average), 0.109 at 0.5 (23% cut). Temperature is no lever here: the model's greedy
-  answers are often right, its sampled ones lose the thread at any temperature.
+  0.7 (30% cut, 82 tokens on average), 0.082 at 0.6, 0.109 at 0.5 (23% cut). Temperature is no lever here: the
+  model's greedy answers are often right, its sampled ones lose the thread at any temperature.
 """
 from __future__ import annotations
 
