@@ -143,7 +143,9 @@ print(json.dumps(sorted({d for r in roots for d in dists.get(r, [])})))
     wheels_spec.loader.exec_module(gpu_wheels)
     carried = set(gpu_wheels.pins("3.12"))
     never_reached = {"apmpo": "this clone, on PYTHONPATH", "datasets": "hub datasets (apmpo.data), not loaded",
-                     "pyarrow": "through datasets", "wandb": "an optional logger (apmpo.learner.metrics)"}
+                     "pyarrow": "through datasets", "wandb": "an optional logger (apmpo.learner.metrics)",
+                     "peft": "LoRA adapters (apmpo.learner.lora), imported only for a model.lora run",
+                     "gguf": "the model fetch (apmpo.models)", "accelerate": "the model fetch (apmpo.models)"}
     assert imported - carried - {"torch"} - set(never_reached) == set()
     assert {"deepspeed", "transformers", "pyyaml", "math-verify", "requests", "hjson", "py-cpuinfo"} <= carried
     assert "torch" not in carried and "sympy" not in carried  # the machine's torch and its requirements
