@@ -156,7 +156,9 @@ def test_server_generates_with_images_and_sync_equals_a_fresh_load(tiny_vl, visi
             assert after != before and after == greedy(fresh)
             # Only the vision tower changes (B's language model, A's tower): outputs follow it.
             original = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
-            client.push_weights((n, p) for n, p in original.named_parameters() if ".visual." in n)
+            # A push holds every parameter (the server refuses partial ones): A's tower, B's language model.
+            client.push_weights([(n, p) for n, p in original.named_parameters() if ".visual." in n]
+                                + [(n, p) for n, p in perturbed.named_parameters() if ".visual." not in n])
             assert greedy(client) != after
             client.push_weights(original.named_parameters())
             assert greedy(client) == before
