@@ -166,7 +166,7 @@ def run_apmpo(model: Path, task: Task, tokens: int, steps: int, warmup: int, out
                *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")],
                *[arg for assignment in extra_sets for arg in ("--set", assignment)]]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    done, peaks = run_watching_memory(command)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"launch/train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -176,7 +176,39 @@ def run_apmpo(model: Path, task: Task, tokens: int, steps: int, warmup: int, out
             **{p: statistics.median(r[f"time/{p}"] for r in kept) for p in PHASES},
             "length": statistics.mean(r["response/length_mean"] for r in kept),
             "reward": statistics.mean(r["reward/mean"] for r in kept),
-            "startup": wall - sum(r["time/step"] for r in rows)}
+            "startup": wall - sum(r["time/step"] for r in rows), "learner_rss": peaks["learner"],
+            "server_rss": peaks["server"]}
+
+
+def run_watching_memory(command: list[str]) -> tuple[subprocess.CompletedProcess, dict[str, float]]:
+    """Runs `command` to the end and samples, twice a second, the resident memory of the generation servers (each
+    `apmpo.rollout.server` process of its tree with its engine processes) and of the rest of the tree (the learner
+    with its reward workers): their peaks in GB."""
+    import threading
+
+    import psutil
+
+    peaks = {"learner": 0.0, "server": 0.0}
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        def sample() -> None:
+            while process.poll() is None:
+                try:
+                    root = psutil.Process(process.pid)
+                    tree = [root, *root.children(recursive=True)]
+                    servers = [p for p in tree if "apmpo.rollout.server" in " ".join(p.cmdline())]
+                    serving = {p.pid for p in servers} | {c.pid for p in servers for c in p.children(recursive=True)}
+                    for role, members in (("server", [p for p in tree if p.pid in serving]),
+                                          ("learner", [p for p in tree if p.pid not in serving])):
+                        peaks[role] = max(peaks[role], sum(p.memory_info().rss for p in members) / 1e9)
+                except psutil.Error:  # a process ended between the listing and the reading
+                    pass
+                time.sleep(0.5)
+
+        watcher = threading.Thread(target=sample, daemon=True)
+        watcher.start()
+        stdout, stderr = process.communicate(timeout=3600)
+        watcher.join()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), peaks
 
 
 # --- baseline (in a process of its own, like apmpo's run) ------------------------------------------------------
@@ -187,14 +219,14 @@ def run_baseline(model: Path, size: str, tokens: int, steps: int, warmup: int, o
     command = [sys.executable, __file__, "--baseline-run", str(model), size, str(tokens), str(steps), str(out),
                str(threads), prompts]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    done, peaks = run_watching_memory(command)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"baseline failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     result = json.loads((out / "baseline.json").read_text())
     kept = result["steps"][warmup:]
     return {"step": statistics.median(kept), "length": statistics.mean(result["lengths"][warmup:]),
-            "startup": wall - sum(result["steps"]), "name": result["name"]}
+            "startup": wall - sum(result["steps"]), "name": result["name"], "rss": peaks["learner"] + peaks["server"]}
 
 
 def baseline_main(model: str, task: Task, tokens: int, steps: int, out: Path, threads: int, prompts: str) -> None:
@@ -396,13 +428,13 @@ def main() -> None:
                 theirs.append(run_baseline(models[size], size, tokens, args.steps, args.warmup,
                                            root / f"{size}_{tokens}_{r}", threads, size_prompts))
             a = {k: statistics.median(run[k] for run in ours) for k in ours[0]}
-            b = {k: statistics.median(run[k] for run in theirs) for k in ("step", "length", "startup")}
+            b = {k: statistics.median(run[k] for run in theirs) for k in ("step", "length", "startup", "rss")}
             phases = ", ".join(f"{p} {a[p]:.3f}" for p in PHASES)
             print(f"\n{size} model, {tokens} new tokens:", flush=True)
-            print(f"  apmpo:    {a['step']:.3f} s/step  (length {a['length']:.1f}; start-up {a['startup']:.0f} s)  "
-                  f"{phases}")
-            print(f"  baseline: {b['step']:.3f} s/step  (length {b['length']:.1f}; start-up {b['startup']:.0f} s)  "
-                  f"{theirs[0]['name']}")
+            print(f"  apmpo:    {a['step']:.3f} s/step  (length {a['length']:.1f}; start-up {a['startup']:.0f} s; peak "
+                  f"RSS learner {a['learner_rss']:.2f} GB, server {a['server_rss']:.2f} GB)  {phases}")
+            print(f"  baseline: {b['step']:.3f} s/step  (length {b['length']:.1f}; start-up {b['startup']:.0f} s; peak "
+                  f"RSS {b['rss']:.2f} GB)  {theirs[0]['name']}")
             print(f"  ratio apmpo/baseline speed: {b['step'] / a['step']:.2f}x  (baseline s/step over apmpo s/step)", flush=True)
             if size == "smollm2":  # the learner against the limit: the same tokens through plain torch
                 sequences, width = task.prompts * task.group, prompt_tokens + round(a["length"])
