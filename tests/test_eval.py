@@ -20,7 +20,7 @@ import pytest
 import apmpo.rollout.launcher
 from apmpo.data import load_records
 from apmpo.eval import pass_at_k
-from apmpo.eval.__main__ import main
+from apmpo.eval.__main__ import main, parse_args
 from apmpo.eval.diversity import JUDGE_PROMPT, Judge, average_cosine_similarity, judge_groups, parse_score, self_bleu
 from apmpo.eval.metrics import average, summarize_benchmark
 from apmpo.eval.run import contiguous_chunks
@@ -231,6 +231,12 @@ def test_bad_arguments_exit_2(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", "m", "--out", str(tmp_path), *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_pass_at_1_is_always_reported():
+    # Its column leads every table: asking for Pass@8 alone must not leave it empty.
+    assert parse_args(["--model", "m", "--out", "o", "--n", "8", "--k", "8"]).k == [1, 8]
+    assert parse_args(["--model", "m", "--out", "o", "--n", "16"]).k == [1, 16]
 
 
 # --- diversity ----------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--top-k", type=int, default=-1, help="-1: off")
     g.add_argument("--max-tokens", type=int, default=4096, help="new tokens per sample")
     g.add_argument("--seeds", default="0,1,2", help="eval seeds: results are mean ± std over them")
-    g.add_argument("--k", default=None, help="Pass@k values (default: 1, and 16 when n >= 16)")
+    g.add_argument("--k", default=None, help="Pass@k values (default: 1, and 16 when n >= 16); Pass@1, the tables' first column, always")
     g.add_argument("--limit", type=int, default=None, help="only the first K problems of each benchmark")
     g.add_argument("--system-prompt", default=None, help="replace the task's system prompt (apmpo.data)")
     g.add_argument("--batch-prompts", type=int, default=BATCH_PROMPTS, help="problems per generation request")
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         check_temperature("--temperature", args.temperature, args.n)  # as training's: the server's own rule
     except ConfigError as error:
         p.error(str(error))
-    args.k = sorted(set(ks))
+    args.k = sorted({1, *ks})
     if args.devices is not None and args.server is None:
         from apmpo.rollout.launcher import server_groups  # noqa: PLC0415
 
