@@ -5,6 +5,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import requests
+
 from apmpo.rollout import GenerationClient, Sampling
 from apmpo.rollout.pool import ServerPool
 
@@ -48,6 +50,44 @@ def echo_server():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_each_thread_has_a_session_of_its_own_and_gets_its_own_answers(monkeypatch):
+    # In asynchronous training the rollout thread generates while the main thread pushes: requests does not
+    # promise that one Session may be used by several threads at once.
+    closed = []
+    close = requests.Session.close
+    monkeypatch.setattr(requests.Session, "close", lambda session: (closed.append(session), close(session))[1])
+    threads, calls = 8, 20
+    ports: dict[int, set[str]] = {t: set() for t in range(threads)}
+    sessions: dict[int, requests.Session] = {}
+    wrong: list[tuple] = []
+    start = threading.Barrier(threads)
+    with echo_server() as server, GenerationClient(server.url) as client:
+        def hammer(t: int) -> None:
+            start.wait()  # all at once
+            for k in range(calls):
+                [[sample]] = client.generate([[t, k]], Sampling(max_tokens=1))
+                if sample.token_ids != [t, k]:
+                    wrong.append((t, k, sample.token_ids))
+                ports[t].add(sample.text)
+            sessions[t] = client._session()
+
+        workers = [threading.Thread(target=hammer, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=60)
+        assert not wrong and len(server.bodies) == threads * calls
+        # One session per thread, each on one connection (keep-alive) that no other thread used.
+        assert len({id(session) for session in sessions.values()}) == threads
+        assert all(len(seen) == 1 for seen in ports.values()), ports
+        assert len(set.union(*ports.values())) == threads
+        # The sessions of threads that have ended are closed once another thread makes its own.
+        client.generate([[1]], Sampling(max_tokens=1))
+        assert {id(s) for s in closed} == {id(s) for s in sessions.values()}
+        assert list(client._sessions) == [threading.current_thread()]
+    assert len(closed) == threads + 1 and not client._sessions  # close() closed the last one
 
 
 def test_a_pool_deals_one_contiguous_chunk_per_server_each_with_the_seed_of_one_request():

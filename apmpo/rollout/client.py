@@ -18,6 +18,7 @@ import functools
 import itertools
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -83,9 +84,12 @@ class GenerationClient:
         self.sync_host, self.sync_timeout_s = sync_host, sync_timeout_s
         if token is not None and not token.strip():
             raise ValueError("token is empty: pass None for a server without one")
-        self._session = requests.Session()
-        if token is not None:
-            self._session.headers["Authorization"] = f"Bearer {token}"
+        self._token = token
+        # One Session per thread: requests does not promise that a Session is thread-safe, and in asynchronous
+        # training the rollout thread generates while the main thread pushes weights (a push asks every server
+        # from threads of its own).
+        self._sessions: dict[threading.Thread, requests.Session] = {}
+        self._sessions_lock = threading.Lock()
         self._info: dict[str, Any] | None = None
         self._sender = WeightSender([self])
         sweep_orphan_segments()  # of learners killed while sharing weights with a server
@@ -93,12 +97,25 @@ class GenerationClient:
 
     # --- HTTP ---
 
+    def _session(self) -> requests.Session:
+        """The calling thread's session; those of threads that have ended are closed when a new one is made."""
+        thread = threading.current_thread()
+        with self._sessions_lock:
+            session = self._sessions.get(thread)
+            if session is None:
+                for ended in [t for t in self._sessions if not t.is_alive()]:
+                    self._sessions.pop(ended).close()
+                session = self._sessions[thread] = requests.Session()
+                if self._token is not None:
+                    session.headers["Authorization"] = f"Bearer {self._token}"
+            return session
+
     def _request(self, method: str, path: str, *, json: Any = None, timeout_s: float = 30.0,
                  retries: int | None = None) -> Any:
         attempts = 1 + (self.retries if retries is None else retries)
         for attempt in range(attempts):
             try:
-                response = self._session.request(method, self.url + path, json=json, timeout=timeout_s)
+                response = self._session().request(method, self.url + path, json=json, timeout=timeout_s)
                 break
             except (requests.ConnectionError, requests.Timeout) as error:
                 if attempt + 1 == attempts or isinstance(error, requests.ReadTimeout):
@@ -184,7 +201,10 @@ class GenerationClient:
 
     def close(self) -> None:
         self._sender.close()
-        self._session.close()
+        with self._sessions_lock:
+            for session in self._sessions.values():
+                session.close()
+            self._sessions.clear()
 
     def __enter__(self) -> GenerationClient:
         return self
