@@ -78,11 +78,11 @@ def test_shapes_n_and_length_finish(client, tiny_tied):
             assert sample.finish_reason == "stop" and sample.token_ids[-1] == eos
 
 
-def test_a_cpu_server_compiles_its_text_model(client):
+def test_the_server_compiles_its_text_model(client):
     # The compiled engine is the one every test here runs (log-probs against HF, weight pushes against a fresh
-    # load): torch.compile must see the weights a push copies in place.
-    if not torch.cuda.is_available():
-        assert client.info()["compiled"] is True
+    # load): torch.compile must see the weights a push copies in place. Without --enforce-eager a GPU engine
+    # compiles, as does a CPU engine where a C++ compiler exists (vllm_compat.compiles_on_cpu; this machine's).
+    assert client.info()["compiled"] is True
 
 
 def test_stop_token_finishes_with_stop(client):
