@@ -33,6 +33,7 @@ import yaml
 
 from apmpo import seeding
 from apmpo.loss import POLICY_LOSSES, LossConfig
+from apmpo.rollout.sampling import Sampling, check_sampling
 from apmpo.rollout.weight_sync import Transport
 
 
@@ -168,7 +169,7 @@ STEP_TIMEOUT_ITEMS = 30
 class RolloutConfig:
     prompts_per_step: int = ranged(512, "[1, 2**20]")  # B
     group_size: int = ranged(8, "[2, 2**16]")  # G samples per prompt; advantages need two
-    temperature: float = ranged(1.0, "[0, 2]")  # 0 (greedy) or [0.01, 2]: check_temperature
+    temperature: float = ranged(1.0, "[0, 2]")  # 0 (greedy) or [0.01, 2]: apmpo.rollout.sampling.check_sampling
     top_p: float = ranged(1.0, "(0, 1]")
     top_k: int = ranged(-1, "[-1, 2**20]")  # -1: off; not 0
     max_tokens: int = ranged(1024, "[1, 2**20]")
@@ -211,6 +212,10 @@ class RolloutConfig:
     def __post_init__(self):
         if self.reward_step_timeout_s is None and isinstance(self.reward_timeout_s, (int, float)):
             self.reward_step_timeout_s = STEP_TIMEOUT_ITEMS * self.reward_timeout_s
+
+    def sampling(self, stop_token_ids: typing.Sequence[int] = ()) -> Sampling:
+        """How each training sample is drawn; the stop tokens are the model's (apmpo.data.stop_token_ids)."""
+        return Sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, tuple(stop_token_ids))
 
 
 @dataclass
@@ -299,6 +304,10 @@ class EvalConfig:
     k: int | None = ranged(None, "[1, 2**16]")  # pass@k logged beside pass@1; None: k = n
     reward: str | None = None  # None: each benchmark's own (math, sql, ...); "pkg.module:function": yours, for all
 
+    def sampling(self, stop_token_ids: typing.Sequence[int] = ()) -> Sampling:
+        """How each validation sample is drawn (top_k off), as `python -m apmpo.eval` with these settings."""
+        return Sampling(self.max_tokens, self.temperature, self.top_p, -1, tuple(stop_token_ids))
+
 
 @dataclass
 class Config:
@@ -344,8 +353,8 @@ class Config:
         if r.prompts_per_step % t.mini_batch_size:
             raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
                               f"train.mini_batch_size ({t.mini_batch_size})")
-        check_temperature("rollout.temperature", r.temperature, samples=r.group_size)
-        if r.top_k == 0:
+        _check_sampling(r.sampling(), r.group_size, "rollout.")
+        if r.top_k == 0:  # the engine's also "off", but -1 is how the config says it
             raise ConfigError(f"rollout.top_k must be -1 (off) or > 0, got {r.top_k}")
         if r.overlong_buffer > r.max_tokens:
             raise ConfigError(f"rollout.overlong_buffer ({r.overlong_buffer}) must be <= rollout.max_tokens "
@@ -377,13 +386,12 @@ class Config:
         return out
 
 
-def check_temperature(key: str, value: float, samples: int) -> None:
-    """As the generation server accepts it: vLLM raises a temperature in (0, 0.01) to 0.01 (its log-probs would
-    then not be the learner's) and refuses one above 2; greedy (0) draws one sample per prompt, all others equal."""
-    if value == 0.0 and samples > 1:
-        raise ConfigError(f"{key} is 0 (greedy), which gives {samples} identical samples per prompt: use >= 0.01")
-    if not (value == 0.0 or 0.01 <= value <= 2.0):
-        raise ConfigError(f"{key} must be 0 (greedy) or lie in [0.01, 2], got {value}")
+def _check_sampling(sampling: Sampling, n: int, where: str) -> None:
+    """As the generation server checks a request (the one rule, apmpo.rollout.sampling.check_sampling)."""
+    try:
+        check_sampling(sampling, n, where)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 # A hub id is "org/name"; anything else that is not a built-in name must exist on this machine.
@@ -561,7 +569,7 @@ def _check_eval(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    check_temperature("eval.temperature", e.temperature, samples=e.n)
+    _check_sampling(e.sampling(), e.n, "eval.")
     from apmpo.eval.run import EvalError, benchmark_names  # noqa: PLC0415  (light: apmpo.data, no torch)
 
     try:

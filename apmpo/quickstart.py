@@ -27,7 +27,7 @@ import itertools
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from apmpo import tiny
@@ -52,14 +52,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(tiny.SPECIAL_TOKENS + symbols)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(tiny.SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=tiny.CHAT_TEMPLATE,
-    )
+    return tiny.chatml_tokenizer(tok)
 
 
 def save_quickstart_model(out_dir: str | Path, **kwargs) -> Path:

@@ -45,7 +45,6 @@ def build_tokenizer(corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 51
     """A byte-level BPE tokenizer (so any text encodes) with ChatML special tokens and chat template."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
@@ -53,6 +52,13 @@ def build_tokenizer(corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 51
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
+    return chatml_tokenizer(tok)
+
+
+def chatml_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """`tok` (byte-level, SPECIAL_TOKENS in its vocabulary) as Qwen2.5's tokenizer behaves: <|im_end|> ends a turn
+    (EOS), <|endoftext|> pads, CHAT_TEMPLATE renders chats. This one and the quickstart's character-level one."""
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

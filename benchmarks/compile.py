@@ -31,16 +31,16 @@ def worker(model: str, mode: str, prompts: int, n: int) -> None:
     from apmpo.data import encode_prompt, stop_token_ids
     from apmpo.quickstart import make_samples
     from apmpo.rollout import vllm_compat as compat
+    from apmpo.rollout.sampling import Sampling
 
     llm = compat.build_engine(compat.EngineArgs(model=model, dtype="float32", max_model_len=512,
                                                 enforce_eager=mode == "eager"))
     tokenizer = AutoTokenizer.from_pretrained(model)
     ids = [encode_prompt(sample, tokenizer) for sample in make_samples(prompts)]  # the prompts as training encodes them
-    stop = list(stop_token_ids(model, tokenizer))
+    stop = stop_token_ids(model, tokenizer)
 
     def run(max_tokens: int) -> int:
-        params = [compat.sampling_params(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
-                                         seed=1000 + i, stop_token_ids=stop)
+        params = [compat.sampling_params(Sampling(max_tokens, stop_token_ids=stop), n=n, seed=1000 + i)
                   for i in range(len(ids))]
         return sum(len(s["token_ids"]) for row in compat.generate(llm, ids, params) for s in row)
 

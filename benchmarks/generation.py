@@ -20,6 +20,7 @@ import torch
 
 from apmpo.rollout import vllm_compat as compat
 from apmpo.rollout.launcher import start_server
+from apmpo.rollout.sampling import Sampling
 from apmpo.tiny import save_tiny_model
 
 
@@ -40,7 +41,7 @@ def main() -> None:
                                               num_kv_heads=2, intermediate_size=1536))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-    sampling = dict(n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens, seed=0)
+    sampling = Sampling(max_tokens=args.max_tokens)
 
     def best_rate(run) -> tuple[float, int]:
         run()  # warm-up
@@ -58,14 +59,14 @@ def main() -> None:
     try:
         with server.client() as client:
             def through_server() -> int:
-                return sum(len(s.token_ids) for row in client.generate(prompts, **sampling) for s in row)
+                return sum(len(s.token_ids) for row in client.generate(prompts, sampling, args.n, seed=0) for s in row)
             served, served_tokens = best_rate(through_server)
     finally:
         server.stop()
 
     llm = compat.build_engine(compat.EngineArgs(model=model, dtype=dtype, max_model_len=1024 if not gpu else None,
                                                 gpu_memory_utilization=args.gpu_memory_utilization))
-    params = [compat.sampling_params(**{**sampling, "seed": i * args.n}, stop_token_ids=[]) for i in range(len(prompts))]
+    params = [compat.sampling_params(sampling, n=args.n, seed=i * args.n) for i in range(len(prompts))]
 
     def in_process() -> int:
         return sum(len(s["token_ids"]) for row in compat.generate(llm, prompts, params) for s in row)

@@ -41,7 +41,7 @@ def main() -> None:
             assert pooled == serial, "the pool must score exactly as the serial loop"
             print(f"{name:<14} {len(records):>6} {serial_rate:>10.1f} {pool_rate:>10.1f} "
                   f"{pool_rate / serial_rate:>11.2f}x {sum(serial) / len(serial):>6.3f}"
-                  + (f"  failures: {summary}" if summary["failures"] else ""))
+                  + (f"  failures: {summary}" if summary.failures else ""))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from apmpo.rollout.launcher import serve
+from apmpo.rollout.sampling import Sampling
 from apmpo.tiny import save_tiny_model
 
 
@@ -54,29 +55,30 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size  # the quickstart model's is 22
     rng = random.Random(0)
     prompts = [[rng.randrange(3, min(400, vocab)) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-    sampling = dict(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=0)
+    sampling = Sampling(max_tokens=args.max_tokens)
     named = list(AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32)
                  .named_parameters())
     with serve(model, devices=args.devices, num_servers=2, log_path=f"{tempfile.gettempdir()}/apmpo_servers.log",
                dtype="auto" if gpu else "float32", max_model_len=None if gpu else 1024,
                extra_args=("--max-prompts", str(max(4096, args.prompts)))) as servers, servers.client() as pool:
         clients = {"1 server": pool.clients[0], "2 servers": pool}
-        generated = {label: best(lambda c=c: c.generate(prompts, **sampling), args.repeats) for label, c in clients.items()}
+        generated = {label: best(lambda c=c: c.generate(prompts, sampling, args.n, seed=0), args.repeats)
+                     for label, c in clients.items()}
         # Both first: a push into one server alone leaves the other a version behind, which the pool refuses.
-        pushed = {label: best(lambda c=clients[label]: (c.push_weights(named), dict(c.last_push))[1], args.repeats)[1]
+        pushed = {label: best(lambda c=clients[label]: (c.push_weights(named), c.last_push)[1], args.repeats)[1]
                   for label in ("2 servers", "1 server")}
         results = {label: (*generated[label], pushed[label]) for label in clients}
         tokens = sum(len(s.token_ids) for row in results["1 server"][1] for s in row)
         same = [[s.token_ids for s in row] for row in results["1 server"][1]] == \
             [[s.token_ids for s in row] for row in results["2 servers"][1]]
     print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, n={args.n}, max_tokens={args.max_tokens}: "
-          f"{tokens} tokens (the same with 2 servers: {same}); push of {results['1 server'][2]['bytes'] / 2**20:.0f} MiB; "
+          f"{tokens} tokens (the same with 2 servers: {same}); push of {results['1 server'][2].bytes / 2**20:.0f} MiB; "
           f"best of {args.repeats}")
     for label, (gen_s, _, push) in results.items():
-        print(f"{label:9s}  generate {gen_s:6.2f} s = {tokens / gen_s:8.0f} tokens/s   push {push['seconds']:5.2f} s "
-              f"(engine reload {push['reload_s']:.2f} s, of it {push['wait_s']:.2f} s waiting for bytes)")
+        print(f"{label:9s}  generate {gen_s:6.2f} s = {tokens / gen_s:8.0f} tokens/s   push {push.seconds:5.2f} s "
+              f"(engine reload {push.reload_s:.2f} s, of it {push.wait_s:.2f} s waiting for bytes)")
     (one_s, _, one_push), (two_s, _, two_push) = results["1 server"], results["2 servers"]
-    print(f"ratio 2 servers/1 server: tokens/s {one_s / two_s:.2f}x, push {two_push['seconds'] / one_push['seconds']:.2f}x "
+    print(f"ratio 2 servers/1 server: tokens/s {one_s / two_s:.2f}x, push {two_push.seconds / one_push.seconds:.2f}x "
           "the time")
 
 

@@ -19,6 +19,7 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from apmpo.rollout.client import PushReport
 from apmpo.rollout.launcher import start_server
 from apmpo.rollout.weight_sync import WeightGroup, plan_buckets, receive_buckets, send_buckets, select_transport
 from apmpo.tiny import build_tokenizer
@@ -59,14 +60,14 @@ def raw_broadcast_bytes_per_s(transport: str, nbytes: int, device: torch.device,
     return nbytes / min(times[1:])
 
 
-def best_push(server, named: list, transport: str, bucket_bytes: int, repeats: int) -> dict:
+def best_push(server, named: list, transport: str, bucket_bytes: int, repeats: int) -> PushReport:
     """`client.last_push` of the fastest of `repeats` pushes after one warm-up (which also builds the group)."""
     with server.client(bucket_bytes=bucket_bytes, transport=transport) as client:
         pushes = []
         for _ in range(repeats + 1):
             client.push_weights(named)
             pushes.append(client.last_push)
-    return min(pushes[1:], key=lambda push: push["seconds"])
+    return min(pushes[1:], key=lambda push: push.seconds)
 
 
 def main() -> None:
@@ -109,12 +110,12 @@ def main() -> None:
 
     print(f"buckets of {args.bucket_mib} MiB, best of {args.repeats}; push = pack + HTTP + load into vLLM")
     for transport, push in pushes.items():
-        print(f"{transport:8s}  push_weights {rate(push['seconds'])}   raw single-tensor send {rate(raws[transport])}   "
-              f"ratio {raws[transport] / push['seconds']:.0%}")
-        print(f"{'':8s}  of the push, vLLM's in-place reload: {push['reload_s']:.2f} s, "
-              f"{push['reload_s'] - push['wait_s']:.2f} s of it loading rather than waiting for bytes")
+        print(f"{transport:8s}  push_weights {rate(push.seconds)}   raw single-tensor send {rate(raws[transport])}   "
+              f"ratio {raws[transport] / push.seconds:.0%}")
+        print(f"{'':8s}  of the push, vLLM's in-place reload: {push.reload_s:.2f} s, "
+              f"{push.reload_s - push.wait_s:.2f} s of it loading rather than waiting for bytes")
     baseline = "gloo" if "gloo" in raws else chosen
-    print(f"ratio push/raw: {raws[baseline] / pushes[chosen]['seconds']:.0%} (push over {chosen} vs a raw {baseline} "
+    print(f"ratio push/raw: {raws[baseline] / pushes[chosen].seconds:.0%} (push over {chosen} vs a raw {baseline} "
           "broadcast; goal >= 80%)")
 
 

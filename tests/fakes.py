@@ -49,9 +49,9 @@ class FakeServer:
     def info(self):
         return {"model": "fake", "max_model_len": self.max_model_len, "weight_version": self.weight_version}
 
-    def generate(self, prompts, n, temperature, top_p, top_k, max_tokens, seed, stop_token_ids, images=None):
-        self.requests.append({"prompts": len(prompts), "n": n, "seed": seed, "temperature": temperature,
-                              "max_tokens": max_tokens, "stop_token_ids": stop_token_ids})
+    def generate(self, prompts, sampling, n, *, seed, images=None):
+        self.requests.append({"prompts": len(prompts), "n": n, "seed": seed, "sampling": sampling})
+        max_tokens = sampling.max_tokens
         outputs = []
         for p, prompt in enumerate(prompts):
             record = self.by_prompt[tuple(prompt)]

@@ -6,6 +6,7 @@ and prints one JSON line: how long 4 worker crashes took and what the workers ha
 Reward workers start from a forkserver, which re-runs the caller's `__main__` in each new worker unless the
 pool prevents it; in training that made every crash cost seconds (tests/test_rewards.py runs this).
 """
+import dataclasses
 import json
 import time
 
@@ -21,4 +22,5 @@ if __name__ == "__main__":
         scores, summary = pool.score(exit_on_die, ["die", "ok", "die", "ok", "die", "ok", "die", "ok"], [{}] * 8)
         seconds = time.monotonic() - start
         loaded, _ = pool.score(module_loaded, ["torch", "apmpo.rewards"], [{}] * 2)
+    summary = {**dataclasses.asdict(summary), "failures": summary.failures}
     print(json.dumps({"scores": scores, "summary": summary, "seconds": seconds, "loaded": loaded}))

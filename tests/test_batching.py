@@ -125,8 +125,22 @@ def test_prompt_sampler_is_seeded_covers_each_epoch_and_resumes():
     assert resumed.take(6) == first[4:]
 
 
+def packed_size(rows):
+    """The tokens the packed forward computes for a micro-batch of `rows` (apmpo.learner.logprobs): each group's
+    prompt once, then its completions' inputs (all but the last token) packed into rows as wide as the longest,
+    each row as long as the longest prompt plus that width."""
+    from apmpo.learner.logprobs import pack
+
+    groups = {}
+    for r in rows:
+        groups.setdefault(r.group, []).append(max(len(r.completion_ids) - 1, 0))
+    longest, width = max(len(r.prompt_ids) for r in rows), max(max(i) for i in groups.values())
+    packed_rows = sum(len(pack(inputs, [0] * len(inputs), width)[0]) for inputs in groups.values()) if width else 0
+    return len(groups) * longest + packed_rows * (longest + width)
+
+
 def test_packed_plan_keeps_groups_whole_within_the_budget_of_what_packing_computes():
-    from apmpo.learner.batching import packed_size, split_packed
+    from apmpo.learner.batching import split_packed
 
     g = torch.Generator().manual_seed(0)
     batch = []

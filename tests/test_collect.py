@@ -30,7 +30,7 @@ def collect(reward="quickstart", fake=None, overrides=(), step=1, timeout_s=1.0)
         batch = collect_rollouts(
             fake, sampler, [[i] for i in range(len(RECORDS))], RECORDS,
             lambda completions, samples, **limits: pool.score(fn, completions, samples, **limits),
-            cfg.rollout, cfg.loss, run_seed=0, step=step, stop_token_ids=[2])
+            cfg.rollout, cfg.loss, run_seed=0, step=step, sampling=cfg.rollout.sampling([2]))
     return batch, fake
 
 

@@ -21,16 +21,16 @@ from apmpo import seeding
 from apmpo.envs import get_env
 from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner
 from apmpo.eval.__main__ import main as eval_main
-from apmpo.eval.run import Sampling
 from apmpo.quickstart import build_tokenizer, make_samples, save_quickstart_model
 from apmpo.rollout.launcher import start_server
+from apmpo.rollout.sampling import Sampling
 from train_runs import metrics, run, train_command
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
 LIMITS = EpisodeLimits(max_turns=2, max_episode_tokens=40, max_prompt_tokens=64, max_model_len=128, timeout_s=2.0)
-SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4, stop_token_ids=(2,))  # 2: <|im_end|>
+SAMPLING = Sampling(max_tokens=4, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=(2,))  # 2: <|im_end|>
 FIRST = 12345 << 20
 
 
@@ -59,7 +59,7 @@ def test_turn_two_prompt_is_turn_one_prompt_sampled_and_environment_ids(server):
     tok = build_tokenizer()
     samples = samples_of(24)
     episodes, summary = play(server, "reveal", samples)
-    assert summary["failures"] == 0 and summary["turns"] == 48
+    assert summary.failures == 0 and summary.turns == 48
     prompt = tok("<|im_start|>user\nstart<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     with server[1].client() as client:
         for sample, e in zip(samples, episodes):
@@ -72,9 +72,8 @@ def test_turn_two_prompt_is_turn_one_prompt_sampled_and_environment_ids(server):
                                           "<|im_start|>assistant\n"
             assert all(e.sampled[second_turn:]) and e.logprobs[first_turn:second_turn] == [0.0] * len(env_ids)
             # The server, asked for turn two alone on exactly these ids with its seed, draws it again.
-            (again,), = client.generate([prompt + turn_one + env_ids], n=1, temperature=1.0, max_tokens=4,
-                                        seeds=[seeding.turn_seed(FIRST + 1000 * sample["index"], 0, 2, 1)],
-                                        stop_token_ids=[2])
+            (again,), = client.generate([prompt + turn_one + env_ids], SAMPLING, n=1,
+                                        seeds=[seeding.turn_seed(FIRST + 1000 * sample["index"], 0, 2, 1)])
             assert again.token_ids == e.completion_ids[second_turn:]
             assert again.logprobs == pytest.approx(e.logprobs[second_turn:], abs=1e-5)
             text = tok.decode(e.completion_ids[second_turn:], skip_special_tokens=True)
@@ -96,8 +95,8 @@ def test_a_failing_environment_scores_zero_is_counted_and_spares_the_others(serv
     tick = time.monotonic()
     episodes, summary = play(server, env, samples, timeout_s=2.0)
     assert time.monotonic() - tick < 30  # the hanging call was abandoned after 2 s
-    assert summary[kind] == summary["failures"] == sum(failing)
-    assert summary["first_error"]
+    assert getattr(summary, kind) == summary.failures == sum(failing)
+    assert summary.first_error
     for fails, e, c in zip(failing, episodes, clean):
         if fails:
             assert (e.reward, e.finish_reason) == (0.0, "error") and e.error

@@ -12,6 +12,7 @@ from apmpo.config import LoraConfig
 from apmpo.learner import lora
 from apmpo.rollout import GenerationClient, ServerError
 from apmpo.rollout.launcher import start_server
+from apmpo.rollout.sampling import Sampling
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,7 @@ def learner_logprobs(model, prompt, completion):
 
 
 def sample(client, max_tokens=10):
-    return [row[0] for row in client.generate(PROMPTS, n=1, temperature=1.0, max_tokens=max_tokens, seed=3)]
+    return [row[0] for row in client.generate(PROMPTS, Sampling(max_tokens=max_tokens), seed=3)]
 
 
 def max_gap(model, samples, adapter=True):
@@ -85,8 +86,8 @@ def test_after_push_k_the_engine_scores_as_the_learner_does_and_not_as_the_base(
     # Only the adapter went: its tensors' bytes (fp32 here), no base weight.
     adapter = policy.get_adapter_state_dict()
     assert all(".lora_A." in name or ".lora_B." in name for name in adapter)
-    assert client.last_push["bytes"] == sum(t.numel() * t.element_size() for t in adapter.values())
-    assert client.last_push["bytes"] < sum(p.numel() * 4 for p in policy.parameters()) / 10
+    assert client.last_push.bytes == sum(t.numel() * t.element_size() for t in adapter.values())
+    assert client.last_push.bytes < sum(p.numel() * 4 for p in policy.parameters()) / 10
 
 
 def test_versions_older_than_lora_versions_are_unloaded(client, policy):
@@ -102,7 +103,7 @@ def test_a_request_in_flight_during_a_push_keeps_its_adapter(client, policy):
 
     def generate():
         times["start"] = time.monotonic()
-        result["rows"] = client.generate(PROMPTS * 4, n=8, temperature=1.0, max_tokens=64, seed=5)
+        result["rows"] = client.generate(PROMPTS * 4, Sampling(max_tokens=64), n=8, seed=5)
         times["end"] = time.monotonic()
 
     thread = threading.Thread(target=generate)

@@ -12,6 +12,7 @@ from apmpo.data import load_records
 from apmpo.data.vision import NEVER_SAMPLE_BIAS, VisionInputs, placeholder_token_ids
 from apmpo.learner.batching import Rollout, collate
 from apmpo.learner.logprobs import token_logprobs
+from apmpo.rollout.sampling import Sampling
 from apmpo.tiny import save_synthetic_diagrams, save_tiny_vl_model
 from train_runs import metrics, run, train_command
 
@@ -137,7 +138,7 @@ def test_server_generates_with_images_and_sync_equals_a_fresh_load(tiny_vl, visi
     def greedy(client, with_images=images):
         """Tokens and their log-probs (rounded): a random tiny model's greedy tokens barely depend on the image,
         its log-probs do."""
-        outs = client.generate(prompts, n=1, temperature=0.0, max_tokens=8, images=with_images)
+        outs = client.generate(prompts, Sampling(max_tokens=8, temperature=0.0), images=with_images)
         return [(row[0].token_ids, [round(lp, 3) for lp in row[0].logprobs]) for row in outs]
 
     perturbed = _perturbed(tiny_vl, tmp_path / "perturbed", seed=1)
@@ -164,7 +165,7 @@ def test_server_generates_with_images_and_sync_equals_a_fresh_load(tiny_vl, visi
             assert greedy(client) == before
             # A random policy samples every token about equally often (1 in ~520), the placeholders too
             # (which crashed a training run's update); the server never samples them.
-            sampled = [s.token_ids for row in client.generate(prompts, n=16, temperature=1.0, max_tokens=64,
+            sampled = [s.token_ids for row in client.generate(prompts, Sampling(max_tokens=64), n=16,
                                                                    images=images, seed=0) for s in row]
             assert sum(map(len, sampled)) > 2500
             placeholders = {vision.image_token_id, vision.tokenizer.convert_tokens_to_ids("<|video_pad|>")}

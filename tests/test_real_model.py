@@ -26,6 +26,7 @@ from apmpo.data import encode_prompt, load_records, stop_token_ids
 from apmpo.rollout import GenerationClient
 from apmpo.rewards import math_reward
 from apmpo.rollout.launcher import start_server
+from apmpo.rollout.sampling import Sampling
 
 pytestmark = pytest.mark.slow
 
@@ -122,14 +123,14 @@ def test_a_failed_fetch_names_its_cause_and_leaves_nothing(model_dir, monkeypatc
 
 
 def test_greedy_tokens_and_logprobs_equal_hf(client, hf, prompts):
-    outs = client.generate(prompts, n=1, temperature=0.0, max_tokens=24, stop_token_ids=[IM_END])
+    outs = client.generate(prompts, Sampling(max_tokens=24, temperature=0.0, stop_token_ids=(IM_END,)))
     for prompt, [sample] in zip(prompts, outs):
         ids = torch.tensor([prompt])
         with torch.no_grad():
             greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
         assert sample.token_ids == greedy[0, len(prompt):].tolist()
     # Sampled completions: the engine's log-probs of its sampling distribution are the model's.
-    outs = client.generate(prompts, n=2, temperature=1.0, max_tokens=24, seed=3, stop_token_ids=[IM_END])
+    outs = client.generate(prompts, Sampling(max_tokens=24, stop_token_ids=(IM_END,)), n=2, seed=3)
     for prompt, row in zip(prompts, outs):
         for sample in row:
             with torch.no_grad():
@@ -145,10 +146,10 @@ def test_completions_stop_at_im_end(client, tokenizer, prompts):
     spec = models.MODELS[NAME]
     check = tokenizer.apply_chat_template([{"role": "user", "content": spec.check_prompt}], add_generation_prompt=True,
                                           return_dict=True)["input_ids"]
-    [[answer]] = client.generate([list(check)], n=1, temperature=0.0, max_tokens=128, stop_token_ids=[IM_END])
+    [[answer]] = client.generate([list(check)], Sampling(max_tokens=128, temperature=0.0, stop_token_ids=(IM_END,)))
     assert answer.finish_reason == "stop" and answer.text == spec.check_completion
-    greedy = client.generate(prompts, n=1, temperature=0.0, max_tokens=128, stop_token_ids=[IM_END])
-    sampled = client.generate(prompts, n=4, temperature=1.0, max_tokens=64, seed=0, stop_token_ids=[IM_END])
+    greedy = client.generate(prompts, Sampling(max_tokens=128, temperature=0.0, stop_token_ids=(IM_END,)))
+    sampled = client.generate(prompts, Sampling(max_tokens=64, stop_token_ids=(IM_END,)), n=4, seed=0)
     for sample, limit in [(s, 128) for row in greedy for s in row] + [(s, 64) for row in sampled for s in row]:
         if sample.finish_reason == "stop":
             assert sample.token_ids[-1] == IM_END and IM_END not in sample.token_ids[:-1]
@@ -171,7 +172,7 @@ def test_a_weight_push_generates_as_a_fresh_server_on_the_pushed_weights(client,
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(pushed_dir)
 
     def greedy(c):
-        return [row[0].token_ids for row in c.generate(prompts, n=1, temperature=0.0, max_tokens=16)]
+        return [row[0].token_ids for row in c.generate(prompts, Sampling(max_tokens=16, temperature=0.0))]
 
     before = greedy(client)
     version = client.push_weights(pushed.named_parameters())

@@ -272,13 +272,13 @@ def test_batch_scores_match_serial_scores():
     completions = [f"\\boxed{{{r['answer']}}}" for r in records[:6]] + ["\\boxed{-12345}"] * 6
     scores, summary = score_batch("math", completions, records, timeout_s=30, num_workers=2)
     assert scores == [math_reward(c, r) for c, r in zip(completions, records)] == [1.0] * 6 + [0.0] * 6
-    assert summary["errors"] == summary["timeouts"] == summary["crashes"] == summary["failures"] == 0
+    assert summary.errors == summary.timeouts == summary.crashes == summary.failures == 0
 
 
 def test_batch_errors_are_scored_zero_counted_and_logged_once(caplog):
     scores, summary = score_batch(raising_reward, ["a"] * 5, [{}] * 5, timeout_s=10, num_workers=2)
     assert scores == [0.0] * 5
-    assert summary["errors"] == summary["failures"] == 5 and summary["first_error"] == "RuntimeError: broken verifier"
+    assert summary.errors == summary.failures == 5 and summary.first_error == "RuntimeError: broken verifier"
     assert len([r for r in caplog.records if "broken verifier" in r.getMessage()]) == 1
 
 
@@ -289,9 +289,9 @@ def test_batch_hung_and_dead_workers_are_replaced():
         scores, summary = pool.score(sleeping_reward, completions, [{}] * 8)
         assert time.monotonic() - start < 10
         assert scores == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
-        assert summary["timeouts"] == summary["failures"] == 2
+        assert summary.timeouts == summary.failures == 2
         scores, summary = pool.score(dying_reward, completions, [{}] * 8)
-        assert scores == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and summary["crashes"] == summary["failures"] == 1
+        assert scores == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and summary.crashes == summary.failures == 1
         # The pool still works after its workers were killed and replaced.
         assert pool.score("math", ["\\boxed{2}"], [{"answer": "2"}])[0] == [1.0]
 
@@ -302,10 +302,10 @@ def test_batch_each_item_gets_the_whole_timeout_though_items_wait_in_the_pipe():
     with RewardPool(num_workers=1, timeout_s=1.0) as pool:
         pool.score(sleeping_reward, ["ok"], [{}])  # the worker is up
         scores, summary = pool.score(sleeping_reward, ["sleep 0.6"] * 3, [{}] * 3)
-        assert scores == [1.0] * 3 and summary["failures"] == 0
+        assert scores == [1.0] * 3 and summary.failures == 0
         scores, summary = pool.score(sleeping_reward, ["ok", "hang", "ok", "ok"], [{}] * 4)
         assert scores == [1.0, 0.0, 1.0, 1.0]
-        assert summary["timeouts"] == summary["failures"] == 1 and summary["first_error"] == "item 1 ran past 1.0s"
+        assert summary.timeouts == summary.failures == 1 and summary.first_error == "item 1 ran past 1.0s"
 
 
 def test_batch_a_large_item_never_waits_in_the_pipe_of_a_hung_worker():
@@ -316,22 +316,22 @@ def test_batch_a_large_item_never_waits_in_the_pipe_of_a_hung_worker():
         threading.Thread(target=lambda: result.set_result(pool.score(sleeping_reward, ["hang", big, big], [{}] * 3)),
                          daemon=True).start()
         scores, summary = result.result(timeout=30)
-        assert scores == [0.0, 1.0, 1.0] and summary["timeouts"] == 1
+        assert scores == [0.0, 1.0, 1.0] and summary.timeouts == 1
 
 
 def test_batch_non_finite_and_non_numeric_rewards_are_failures(caplog):
     completions = ["ok", "nan", "ok", "inf", "-inf", "text", "none", "int", "bool", "ok", "1e300", "-1e39", "3e38"]
     scores, summary = score_batch(odd_value_reward, completions, [{}] * 13, timeout_s=10, num_workers=1)
     assert scores == [0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0, 0.0, 3e38]
-    assert summary["errors"] == summary["failures"] == 7
-    assert summary["first_error"] == "ValueError: the reward returned nan, not a finite float32 number"
+    assert summary.errors == summary.failures == 7
+    assert summary.first_error == "ValueError: the reward returned nan, not a finite float32 number"
     assert len([r for r in caplog.records if "reward scoring failed" in r.getMessage()]) == 1
 
 
 def test_batch_crash_reports_the_exit_code():
     scores, summary = score_batch(dying_reward, ["ok", "die"], [{}] * 2, timeout_s=10, num_workers=1)
-    assert scores == [1.0, 0.0] and summary["crashes"] == 1
-    assert summary["first_error"] == "worker exited with code 3"
+    assert scores == [1.0, 0.0] and summary.crashes == 1
+    assert summary.first_error == "worker exited with code 3"
 
 
 def test_batch_deadline_bounds_a_call():
@@ -343,8 +343,8 @@ def test_batch_deadline_bounds_a_call():
         assert 2.0 <= time.monotonic() - start < 5.0
         # Two workers: "ok" is scored, both "hang"s run into the deadline, the last two never start.
         assert scores == [1.0, 0.0, 0.0, 0.0, 0.0]
-        assert summary["timeouts"] == summary["failures"] == 4
-        assert summary["first_error"] == "item 1 ran past the call's deadline"
+        assert summary.timeouts == summary.failures == 4
+        assert summary.first_error == "item 1 ran past the call's deadline"
 
 
 def test_batch_worker_killed_while_idle_is_replaced_without_a_failure():
@@ -353,7 +353,7 @@ def test_batch_worker_killed_while_idle_is_replaced_without_a_failure():
         pool._workers[0].process.kill()  # as the OOM killer would, between two calls
         pool._workers[0].process.join()
         scores, summary = pool.score(sleeping_reward, ["ok", "ok"], [{}] * 2)
-        assert scores == [1.0, 1.0] and summary["failures"] == 0
+        assert scores == [1.0, 1.0] and summary.failures == 0
 
 
 def test_batch_refuses_a_reward_defined_in_main():
@@ -384,7 +384,7 @@ def test_batch_pathological_latex_times_out():
     completions = ["\\boxed{9^{9^{9^{9^{9}}}}}", "\\boxed{2}"]
     scores, summary = score_batch("math", completions, [{"answer": "1"}, {"answer": "2"}], timeout_s=2, num_workers=2)
     assert scores == [0.0, 1.0]
-    assert summary["timeouts"] + summary["errors"] <= 1
+    assert summary.timeouts + summary.errors <= 1
 
 
 def test_hung_items_time_out_side_by_side():
@@ -398,7 +398,7 @@ def test_hung_items_time_out_side_by_side():
         start = time.monotonic()
         scores, summary = pool.score(hang_on_hang, completions, [{}] * 8)
         elapsed = time.monotonic() - start
-        assert scores == [0.0, 1.0] * 4 and summary["timeouts"] == summary["failures"] == 4
+        assert scores == [0.0, 1.0] * 4 and summary.timeouts == summary.failures == 4
         assert elapsed < 6.0, elapsed  # about 4 x 0.5 s to see each stall, and one 2 s timeout
         assert len(pool._workers) == 1  # the extra workers went with the call
 
@@ -412,8 +412,8 @@ def test_a_call_stops_once_the_failures_pass_max_failures():
         scores, summary = pool.score(hang_on_hang, ["hang"] * 20, [{}] * 20, max_failures=2)
         elapsed = time.monotonic() - start
     # Three failures decide it; hangs that timed out in the same instant count too, the rest are never scored.
-    assert scores == [0.0] * 20 and summary["timeouts"] >= 3
-    assert summary["timeouts"] + summary["unscored"] == summary["failures"] == 20
+    assert scores == [0.0] * 20 and summary.timeouts >= 3
+    assert summary.timeouts + summary.unscored == summary.failures == 20
     assert elapsed < 5.0, elapsed  # 20 hangs one after another: 20 s
 
 
@@ -424,5 +424,5 @@ def test_a_reward_that_allocates_too_much_fails_at_once():
         start = time.monotonic()
         scores, summary = pool.score(allocate, ["2048", "16"], [{}] * 2)
         assert time.monotonic() - start < 10.0
-    assert scores == [0.0, 1.0] and summary["errors"] == summary["failures"] == 1
-    assert summary["first_error"].startswith("MemoryError")
+    assert scores == [0.0, 1.0] and summary.errors == summary.failures == 1
+    assert summary.first_error.startswith("MemoryError")

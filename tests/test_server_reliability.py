@@ -16,6 +16,7 @@ import requests
 from apmpo.rollout import GenerationClient, ServerUnavailable
 from apmpo.rollout.launcher import start_server
 from apmpo.rollout.net import free_port
+from apmpo.rollout.sampling import Sampling
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,8 @@ GENERATE_TIMEOUT_S = 30
 # A request within every cap that keeps the tiny engine busy far longer than GENERATE_TIMEOUT_S.
 LIMITS = ("--max-prompts", "4096", "--max-n", "64", "--max-tokens", "100",
           "--generate-timeout-s", str(GENERATE_TIMEOUT_S))
-BIG = dict(prompts=[[1 + i % 20, 2, 3] for i in range(4096)], n=64, temperature=1.0, max_tokens=100, seed=0)
+BIG = dict(prompts=[[1 + i % 20, 2, 3] for i in range(4096)], n=64, temperature=1.0, top_p=1.0, top_k=-1,
+           max_tokens=100, seed=0)
 
 
 # --- engine processes do not outlive their server ---
@@ -65,7 +67,7 @@ def test_sigterm_to_a_hand_started_server_stops_its_engine(tiny_tied, tmp_path):
     try:
         with GenerationClient(f"http://127.0.0.1:{port}") as client:
             client.wait_ready(timeout_s=300)
-            assert len(client.generate([[1, 2, 3]], n=1, temperature=0.0, max_tokens=4)[0][0].token_ids) > 0
+            assert len(client.generate([[1, 2, 3]], Sampling(max_tokens=4, temperature=0.0))[0][0].token_ids) > 0
         assert len(_group(process.pid)) >= 3  # the server, VLLM::EngineCore, VLLM::Worker
         os.kill(process.pid, signal.SIGTERM)  # the server only, as `kill PID` would
         assert process.wait(timeout=20) == 128 + signal.SIGTERM
@@ -91,10 +93,10 @@ def test_stop_after_the_server_was_killed_stops_its_engine(tiny_tied, tmp_path):
 ENGINE_SCRIPT = """
 import sys
 from apmpo.rollout import vllm_compat as compat
+from apmpo.rollout.sampling import Sampling
 
 def params(seed, prompts=1, max_tokens=4):
-    return [compat.sampling_params(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
-                                   seed=seed + 2 * i, stop_token_ids=[]) for i in range(prompts)]
+    return [compat.sampling_params(Sampling(max_tokens), n=2, seed=seed + 2 * i) for i in range(prompts)]
 
 if __name__ == "__main__":  # vLLM spawns its engine processes
     llm = compat.build_engine(compat.EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=256,
@@ -196,7 +198,7 @@ def test_the_wedging_request_is_422_and_the_server_keeps_serving(server):
 
 def test_a_generate_holds_the_engine_at_most_generate_timeout_s(server):
     start = time.monotonic()
-    response = _post(server.url, {**BIG, "top_p": 1.0, "top_k": -1}, timeout=GENERATE_TIMEOUT_S + 60)
+    response = _post(server.url, BIG, timeout=GENERATE_TIMEOUT_S + 60)
     elapsed = time.monotonic() - start
     assert response.status_code == 504 and "generate-timeout-s" in response.json()["detail"], response.text
     assert GENERATE_TIMEOUT_S <= elapsed < GENERATE_TIMEOUT_S + 15
@@ -207,7 +209,7 @@ def test_a_client_that_times_out_frees_the_engine(server):
     # The big request runs into the server's bound (previous test) unless aborted: a request queued behind it
     # would wait about GENERATE_TIMEOUT_S.
     with GenerationClient(server.url, timeout_s=3, retries=0) as client, pytest.raises(ServerUnavailable):
-        client.generate(**BIG)
+        client.generate(BIG["prompts"], Sampling(max_tokens=BIG["max_tokens"]), BIG["n"], seed=BIG["seed"])
     start = time.monotonic()
     _greedy(server.url, timeout=GENERATE_TIMEOUT_S + 30)
     assert time.monotonic() - start < 10

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerSet, start_server, start_servers
 from apmpo.rollout.pool import ServerPool
+from apmpo.rollout.sampling import Sampling
 from apmpo.tiny import save_perturbed_copy
 
 pytestmark = pytest.mark.slow
@@ -44,8 +45,8 @@ def _logprobs(outs):
     return torch.tensor([lp for row in outs for s in row for lp in s.logprobs])
 
 
-def _sample(client, **kwargs):
-    return client.generate(PROMPTS, **{"n": 3, "temperature": 1.0, "max_tokens": 12, "seed": SEED, **kwargs})
+def _sample(client, sampling=Sampling(max_tokens=12), n=3, seed=SEED):
+    return client.generate(PROMPTS, sampling, n, seed=seed)
 
 
 class TestTwoServers:
@@ -80,7 +81,7 @@ class TestTwoServers:
             before = _ids(_sample(one))
             version = pool.info()["weight_version"]
             assert pool.push_weights(perturbed.named_parameters()) == version + 1
-            assert pool.last_push["one_group"] and pool.last_push["transport"] == "gloo"
+            assert pool.last_push.one_group and pool.last_push.transport == "gloo"
             assert pool.sender.group.world_size == 3  # the learner and one engine worker per server
             assert [client.info()["weight_version"] for client in pool.clients] == [version + 1] * 2
             want = _ids(_sample(fresh))
@@ -97,7 +98,7 @@ class TestTwoServers:
         fails at the deadline, saying why (before, it waited for the engine without one)."""
         servers, _, _, served = setup
         url = servers.urls[0]
-        batch = {"prompts": PROMPTS + PROMPTS[:4], "n": 8, "temperature": 1.0, "max_tokens": 200, "seed": SEED}
+        batch = {"prompts": PROMPTS + PROMPTS[:4], "sampling": Sampling(max_tokens=200), "n": 8, "seed": SEED}
         with GenerationClient(url, TOKEN) as busy:
             start = time.monotonic()
             busy.generate(**batch)  # the same seeded batch each time: as long each time
@@ -140,16 +141,14 @@ class TestTwoServers:
             assert _ids(pooled) == _ids(single)
             torch.testing.assert_close(_logprobs(pooled), _logprobs(single), atol=1e-5, rtol=0)
             assert len({tuple(ids) for ids in _ids(single)[0]}) > 1  # the 3 samples of a prompt differ
-            half = len(PROMPTS) // 2  # one chunk per server, at once
-            assert pool.last_generate == dict(zip(servers.urls, [half, len(PROMPTS) - half]))
-            greedy = {"n": 1, "temperature": 0.0, "seed": None}
+            greedy = {"sampling": Sampling(max_tokens=12, temperature=0.0), "n": 1, "seed": None}
             assert _ids(_sample(pool, **greedy)) == _ids(_sample(one, **greedy))
 
             # --- a push reaches both: same version, same outputs as a fresh server on the pushed weights
             version = pool.info()["weight_version"]
             assert pool.push_weights(perturbed.named_parameters()) == version + 1  # tied: no lm_head.weight in it
             assert [client.info()["weight_version"] for client in pool.clients] == [version + 1] * 2
-            assert pool.last_push["transport"] == "shm" and len(pool.last_push["servers"]) == 2
+            assert pool.last_push.transport == "shm" and len(pool.last_push.servers) == 2
             want = _sample(fresh)
             assert _ids(want) != _ids(single)
             for client in pool.clients:
@@ -165,12 +164,12 @@ class TestTwoServers:
             killer.start()
             with pytest.raises((ServerUnavailable, ServerError), match=victim.url):
                 for _ in range(20):  # ~1-5 s each: the kill lands in one of them
-                    pool.generate(PROMPTS + PROMPTS[:4], n=8, temperature=1.0, max_tokens=200, seed=SEED)
+                    pool.generate(PROMPTS + PROMPTS[:4], Sampling(max_tokens=200), n=8, seed=SEED)
             assert time.monotonic() - start < 1.0 + 60, time.monotonic() - start
             killer.join()
             start = time.monotonic()
             with pytest.raises(ServerUnavailable, match=victim.url):
-                pool.generate(PROMPTS, n=2, max_tokens=8, seed=SEED)
+                pool.generate(PROMPTS, Sampling(max_tokens=8), n=2, seed=SEED)
             assert time.monotonic() - start < 10  # the healthy server's chunks are not waited for
             start = time.monotonic()
             with pytest.raises(ServerError, match=f"weight push failed on the weight group of all 2 generation "

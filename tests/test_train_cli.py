@@ -12,6 +12,7 @@ import torch
 
 from apmpo.rollout.launcher import _group_alive
 from apmpo.rollout.net import free_port
+from apmpo.rollout.sampling import Sampling
 from train_runs import QUICKSTART_RUN, ROOT, metrics, run, train_command
 
 REQUIRED = {"step", "reward/mean", "reward/std", "apmpo/p", "apmpo/fss", "apmpo/eps_ada", "loss/policy",
@@ -92,7 +93,7 @@ def test_quickstart_steps_metrics_and_checkpoint(quickstart_run):
 
     with serve(str(final / "hf"), log_path=quickstart_run.parent / "export_server.log", max_model_len=128) as server:
         with server.client() as client:
-            [[sample]] = client.generate([[1, 5, 6]], n=1, temperature=0.0, max_tokens=3)
+            [[sample]] = client.generate([[1, 5, 6]], Sampling(max_tokens=3, temperature=0.0))
     assert len(sample.token_ids) >= 1
 
 

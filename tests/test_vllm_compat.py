@@ -9,6 +9,7 @@ import torch
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from apmpo.rollout import vllm_compat as compat
+from apmpo.rollout.sampling import Sampling
 
 METHOD, BUSY = "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
 
@@ -83,8 +84,7 @@ def test_sampled_logprobs_are_kept_flat_and_without_their_token_text():
     from vllm.logprobs import FlatLogprobs
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
-    params = compat.sampling_params(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4, seed=0,
-                                    stop_token_ids=[])
+    params = compat.sampling_params(Sampling(max_tokens=4), n=1, seed=0)
     processor = LogprobsProcessor.from_new_request(tokenizer=object(), request=SimpleNamespace(sampling_params=params))
     assert processor.tokenizer is None and isinstance(processor.logprobs, FlatLogprobs)
     assert processor.num_logprobs == 0  # the sampled token's only

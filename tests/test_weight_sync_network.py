@@ -17,6 +17,7 @@ import torch
 
 from apmpo.rollout import GenerationClient
 from apmpo.rollout.net import local_address_towards
+from apmpo.rollout.sampling import Sampling
 from apmpo.rollout.weight_sync import gloo_devices
 from apmpo.tiny import save_perturbed_copy
 
@@ -103,12 +104,12 @@ def test_a_push_reaches_a_server_at_a_non_loopback_address(namespace, tiny_tied,
             prompts = [[1, 2, 3, 4], [5, 6, 7]]
 
             def greedy():
-                return [row[0].token_ids for row in client.generate(prompts, temperature=0.0, max_tokens=12)]
+                return [row[0].token_ids for row in client.generate(prompts, Sampling(max_tokens=12, temperature=0.0))]
 
             before = greedy()
             assert client.push_weights(perturbed.named_parameters()) == 1
             # The transport a learner on another node gets, over the veth pair (not loopback, not shm).
-            assert client.last_push["transport"] == "gloo"
+            assert client.last_push.transport == "gloo"
             changed = greedy()
             assert changed != before
             assert client.push_weights(served.named_parameters()) == 2  # back to the served weights: B -> A

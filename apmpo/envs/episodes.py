@@ -5,9 +5,9 @@ environment answers its own turn, until every episode is done or out of turns or
                            max_prompt_tokens=64, max_model_len=128, timeout_s=10.0))   # or .from_config(cfg, ...)
     episodes, summary = runner.run(client, samples, seed_of=lambda episode, turn: ..., sampling=sampling)
 
-An Episode holds what the learner trains on (module docstring of apmpo.envs); `summary` counts the environment's
-failures as RewardPool.score counts a reward's ("errors", "timeouts", their total "failures", "first_error") and
-adds the seconds spent generating and in the environment, and the turns played.
+An Episode holds what the learner trains on (module docstring of apmpo.envs); `summary` (an EpisodeSummary) counts
+the environment's failures as RewardPool.score counts a reward's (errors, timeouts, their total failures,
+first_error) and adds the seconds spent generating and in the environment, and the turns played.
 
 Each environment call (the class's construction with `reset`, then each `step`) runs in a daemon thread of its
 own, all of a turn's calls at once, and is waited for at most `timeout_s` (or until `deadline`). A call past that
@@ -17,15 +17,20 @@ code cannot be bounded so; one that may do that belongs in a process of its own,
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from apmpo.envs import get_env
 from apmpo.envs.chat import TemplateError, Transcript
+from apmpo.rewards.batch import RewardSummary
+
+if TYPE_CHECKING:
+    from apmpo.rollout.sampling import Sampling  # not at run time: it would import the client, and torch
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,14 @@ class EpisodeLimits:
     max_prompt_tokens: int  # of the first prompt; longer: the episode fails (counted)
     max_model_len: int  # of the engine: a turn's prompt plus its sampled tokens fit in it
     timeout_s: float  # each environment call
+
+
+@dataclass(frozen=True)
+class EpisodeSummary(RewardSummary):
+    """A RewardSummary of the environment's failures (errors, timeouts), and where a run's time went."""
+    turns: int = 0  # policy turns played, over all episodes
+    generate_seconds: float = 0.0
+    env_seconds: float = 0.0
 
 
 @dataclass
@@ -72,15 +85,15 @@ class EpisodeRunner:
         return cls(get_env(d.env), tokenizer, EpisodeLimits(d.max_turns, d.max_episode_tokens, d.max_prompt_tokens,
                                                              cfg.rollout.max_model_len, d.env_timeout_s))
 
-    def run(self, client, samples: Sequence[dict], seed_of: Callable[[int, int], int], sampling,
-            deadline: float | None = None) -> tuple[list[Episode], dict]:
+    def run(self, client, samples: Sequence[dict], seed_of: Callable[[int, int], int], sampling: Sampling,
+            deadline: float | None = None) -> tuple[list[Episode], EpisodeSummary]:
         """Plays one episode per sample (repeat a sample for several). `seed_of(episode, turn)`: the engine seed of
-        that turn (apmpo.seeding.turn_seed); `sampling` (apmpo.eval.run.Sampling): each turn's temperature, top_p,
-        top_k, max_tokens and stop_token_ids.
+        that turn (apmpo.seeding.turn_seed); `sampling`: each turn's, its max_tokens lowered to the room left.
         Raises TemplateError when the chat template cannot be extended by appending (apmpo.envs.chat)."""
         limits = self.limits
-        summary = {"n": len(samples), "errors": 0, "timeouts": 0, "first_error": None, "turns": 0,
-                   "generate_seconds": 0.0, "env_seconds": 0.0}
+        start = time.monotonic()
+        summary = {"errors": 0, "timeouts": 0, "first_error": None, "turns": 0, "generate_seconds": 0.0,
+                   "env_seconds": 0.0}  # the EpisodeSummary's, as they come
         episodes = [Episode([]) for _ in samples]
         envs: list[Any] = [None] * len(samples)
         chats: list[Transcript | None] = [None] * len(samples)
@@ -123,12 +136,11 @@ class EpisodeRunner:
             if not active:
                 break
             tick = time.perf_counter()
-            stop = list(sampling.stop_token_ids)
             longest = max(len(chats[k].ids) for k in active)
-            outputs = client.generate([chats[k].ids for k in active], n=1, temperature=sampling.temperature,
-                                      top_p=sampling.top_p, top_k=sampling.top_k,
-                                      max_tokens=min(sampling.max_tokens, limits.max_model_len - longest),
-                                      seeds=[seed_of(k, turn) for k in active], stop_token_ids=stop)
+            turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens,
+                                                                         limits.max_model_len - longest))
+            outputs = client.generate([chats[k].ids for k in active], turn_sampling, n=1,
+                                      seeds=[seed_of(k, turn) for k in active])
             summary["generate_seconds"] += time.perf_counter() - tick
             summary["turns"] += len(active)
             actions = []
@@ -136,7 +148,7 @@ class EpisodeRunner:
                 episode = episodes[k]
                 room = limits.max_episode_tokens - len(episode.completion_ids)
                 ids = list(out.token_ids[:room])
-                actions.append(chats[k].add_sampled(ids, stop))
+                actions.append(chats[k].add_sampled(ids, sampling.stop_token_ids))
                 episode.completion_ids += ids
                 episode.sampled += [True] * len(ids)
                 episode.logprobs += list(out.logprobs[:room])
@@ -183,8 +195,7 @@ class EpisodeRunner:
             if chats[k] is not None:
                 episode.text = self.tokenizer.decode(episode.completion_ids, skip_special_tokens=False,
                                                      clean_up_tokenization_spaces=False)
-        summary["failures"] = summary["errors"] + summary["timeouts"]
-        return episodes, summary
+        return episodes, EpisodeSummary(len(samples), **summary, seconds=time.monotonic() - start)
 
 
 def _start(env_cls: type, sample: dict) -> tuple[Any, Any]:

@@ -27,14 +27,14 @@ import time
 from pathlib import Path
 
 from apmpo import models, seeding
-from apmpo.config import ConfigError, check_temperature
 from apmpo.data import FIELD_MAPS, stop_token_ids
 from apmpo.eval.metrics import average, summarize_benchmark
-from apmpo.eval.run import (BATCH_PROMPTS, Benchmark, EvalError, SampleStore, Sampling, check_settings,
-                            encode_benchmark, generate_benchmark, missing_problems, resolve_benchmarks)
+from apmpo.eval.run import (BATCH_PROMPTS, Benchmark, EvalError, SampleStore, check_settings, encode_benchmark,
+                            generate_benchmark, missing_problems, resolve_benchmarks)
 from apmpo.eval.table import render
 from apmpo.rollout.client import ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerStartError
+from apmpo.rollout.sampling import Sampling, check_sampling
 
 PAPER_BENCHMARKS = "math500,aime24,aime25,amc23,minerva,olympiadbench"
 
@@ -112,7 +112,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               (all(1 <= k <= args.n for k in ks), f"every --k must lie in [1, n={args.n}]"),
               (max(args.seeds, default=0) < 1 << seeding.EVAL_SEED_BITS,
                f"--seeds must lie below 2**{seeding.EVAL_SEED_BITS}"),
-              (0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
               (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
               (args.diversity_n >= 2, "--diversity-n must be >= 2"), (args.batch_prompts >= 1, "--batch-prompts >= 1"),
               (args.num_servers >= 1, "--num-servers must be >= 1"),
@@ -124,9 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for ok, message in checks:
         if not ok:
             p.error(message)
-    try:
-        check_temperature("--temperature", args.temperature, args.n)  # as training's: the server's own rule
-    except ConfigError as error:
+    try:  # as training's config and the server check them
+        check_sampling(Sampling(args.max_tokens, args.temperature, args.top_p, args.top_k), args.n, "--")
+    except ValueError as error:
         p.error(str(error))
     args.k = sorted({1, *ks})
     if args.devices is not None and args.server is None:
@@ -268,7 +267,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
         tokenizer = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as error:
         raise EvalError(f"cannot load the tokenizer of {model}: {error}") from None
-    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_tokens, stop_token_ids(model, tokenizer))
+    sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, stop_token_ids(model, tokenizer))
     episodes = None
     start_kwargs = ({"ready_timeout_s": args.server_timeout} if args.server else
                     {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,

@@ -19,10 +19,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from apmpo import seeding
 from apmpo.data import BUILTIN, build_messages, encode_prompt, load_records
+
+if TYPE_CHECKING:  # light at run time: the config imports this module to check eval.benchmarks
+    from apmpo.rewards import RewardSummary
+    from apmpo.rollout.sampling import Sampling
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 QUICKSTART_VAL = "quickstart_val"  # the CPU quickstart's held-out prompts (apmpo.quickstart.make_val_samples)
@@ -226,15 +230,6 @@ def contiguous_chunks(indices: list[int], size: int) -> Iterator[list[int]]:
         yield chunk
 
 
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int
-    stop_token_ids: tuple[int, ...]
-
-
 def generate_benchmark(client, benchmark: Benchmark, prompt_ids: list[list[int]], seed: int, n: int,
                        sampling: Sampling, store: SampleStore, score: Callable, batch_prompts: int,
                        on_done: Callable[[int], None] = lambda count: None, episodes=None) -> dict:
@@ -255,18 +250,16 @@ def generate_benchmark(client, benchmark: Benchmark, prompt_ids: list[list[int]]
         } for i, j, text, reward, num_tokens, finish_reason in played])
         counts["prompts"] += len(chunk)
         counts["samples"] += len(played)
-        counts["reward_failures"] += summary["failures"]
+        counts["reward_failures"] += summary.failures
         on_done(len(chunk))
     return counts
 
 
 def _complete(client, benchmark: Benchmark, prompt_ids: list[list[int]], chunk: list[int], seed: int, n: int,
-              sampling: Sampling, store: SampleStore, score: Callable) -> tuple[list[tuple], dict]:
+              sampling: Sampling, store: SampleStore, score: Callable) -> tuple[list[tuple], RewardSummary]:
     """The chunk's missing single-turn samples, scored: (index, sample, text, reward, tokens, finish reason)."""
-    outputs = client.generate([prompt_ids[i] for i in chunk], n=n, temperature=sampling.temperature,
-                              top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
-                              seed=seeding.eval_request_seed(seed, chunk[0], n, len(chunk)),
-                              stop_token_ids=list(sampling.stop_token_ids))
+    outputs = client.generate([prompt_ids[i] for i in chunk], sampling, n=n,
+                              seed=seeding.eval_request_seed(seed, chunk[0], n, len(chunk)))
     todo = [(i, j, out) for i, outs in zip(chunk, outputs) for j, out in enumerate(outs)
             if (benchmark.name, i, seed, j) not in store]
     scores, summary = score(benchmark.reward, [out.text for _, _, out in todo], [benchmark.records[i] for i, _, _ in todo])
@@ -275,7 +268,7 @@ def _complete(client, benchmark: Benchmark, prompt_ids: list[list[int]], chunk: 
 
 
 def _play(episodes, client, benchmark: Benchmark, chunk: list[int], seed: int, n: int, sampling: Sampling,
-          store: SampleStore) -> tuple[list[tuple], dict]:
+          store: SampleStore) -> tuple[list[tuple], RewardSummary]:
     """The chunk's missing samples as episodes. Turn t of sample j of problem i draws with the seed of sample
     j * max_turns + t of the problem's n * max_turns (apmpo.seeding.turn_seed): it depends on nothing else."""
     todo = [(i, j) for i in chunk for j in range(n) if (benchmark.name, i, seed, j) not in store]

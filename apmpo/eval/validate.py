@@ -27,8 +27,7 @@ from typing import Callable
 from apmpo.data import stop_token_ids
 from apmpo.envs.episodes import EpisodeRunner
 from apmpo.eval.metrics import summarize_benchmark
-from apmpo.eval.run import (BATCH_PROMPTS, SampleStore, Sampling, encode_benchmark, generate_benchmark,
-                            resolve_benchmarks)
+from apmpo.eval.run import BATCH_PROMPTS, SampleStore, encode_benchmark, generate_benchmark, resolve_benchmarks
 
 
 class Validation:
@@ -40,12 +39,13 @@ class Validation:
         self.ks = sorted({1, e.k or e.n})
         self.benchmarks = resolve_benchmarks(e.benchmarks, limit=e.limit, reward=e.reward)
         self.prompt_ids = [encode_benchmark(b, tokenizer, cfg.rollout.max_model_len) for b in self.benchmarks]
-        self.sampling = Sampling(e.temperature, e.top_p, -1, e.max_tokens, stop_token_ids(model_path, tokenizer))
+        self.sampling = e.sampling(stop_token_ids(model_path, tokenizer))
         self.episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: the benchmarks' samples are episodes
 
     def run(self, client, score: Callable, step: int) -> dict[str, float]:
         """Metrics `val/<benchmark>/{pass@1, pass@k, length_mean, truncated_frac}`, `val/reward_failures` and
-        `time/eval` (seconds). `score` is RewardPool.score: (reward name, completions, samples) -> (scores, summary)."""
+        `time/eval` (seconds). `score` is RewardPool.score: (reward name, completions, samples) -> (scores,
+        RewardSummary)."""
         tick = time.perf_counter()
         out = self.out_root / f"step_{step}"
         shutil.rmtree(out, ignore_errors=True)  # a resumed run validates this step again, on its own weights

@@ -139,20 +139,6 @@ def split_by_budget(indices: list[int], lengths: list[int], token_budget: int,
     return micro[::-1]
 
 
-def packed_size(rows: list[Rollout]) -> int:
-    """The tokens a micro-batch of `rows` computes when the rows of a prompt share it and pack their completions
-    (apmpo.learner.logprobs): each group's prompt once, then packed rows as long as the longest prompt (their
-    cache) plus the longest completion. A group's rows share a prompt; groups with the same prompt, which the
-    forward merges, are counted apart: never less than it computes."""
-    by_group: dict[int, list[Rollout]] = {}
-    for r in rows:
-        by_group.setdefault(r.group, []).append(r)
-    longest = max(len(r.prompt_ids) for r in rows)
-    inputs = [_inputs(group) for group in by_group.values()]
-    width = max(max(i) for i in inputs)
-    return _size(len(by_group), longest, width, sum(_packed_rows(i, width) for i in inputs))
-
-
 def _inputs(rows: list[Rollout]) -> list[int]:
     return [max(len(r.completion_ids) - 1, 0) for r in rows]  # the last token predicts nothing
 
@@ -163,12 +149,16 @@ def _packed_rows(inputs: list[int], width: int) -> int:
 
 
 def _size(groups: int, longest_prompt: int, width: int, packed_rows: int) -> int:
+    """The tokens a micro-batch computes when the rows of a prompt share it and pack their completions
+    (apmpo.learner.logprobs): each group's prompt once, then packed rows as long as the longest prompt (their
+    cache) plus the longest completion. Groups with the same prompt, which the forward merges, are counted apart:
+    never less than it computes."""
     return groups * longest_prompt + packed_rows * (longest_prompt + width)
 
 
 def split_packed(indices: list[int], rollouts: list[Rollout], token_budget: int) -> list[list[int]]:
     """Micro-batches for packed log-probs: whole groups in order (the completions of a group pack together), each
-    micro-batch taking the next group while its packed_size stays within the budget (kept as it grows: a group's
+    micro-batch taking the next group while its packed size (_size) stays within the budget (kept as it grows: a group's
     packed rows are counted again only when the micro-batch's width grows). The rows of groups over the budget on
     their own are cut together as split_by_budget cuts them. On the quickstart's 64-token batches one micro-batch
     instead of three sorted by length: the learner's step (reference forward, forward, backward) took 0.10-0.11 s
@@ -178,7 +168,7 @@ def split_packed(indices: list[int], rollouts: list[Rollout], token_budget: int)
         by_group.setdefault(rollouts[i].group, []).append(i)
     micro: list[list[int]] = []
     over: list[int] = []  # the rows of groups over the budget on their own
-    # The micro-batch being filled: its rows, its groups' inputs, and the terms of its packed_size.
+    # The micro-batch being filled: its rows, its groups' inputs, and the terms of its _size.
     rows: list[int] = []
     group_inputs: list[list[int]] = []
     longest = width = packed = 0

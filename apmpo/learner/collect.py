@@ -20,14 +20,14 @@ from apmpo.config import RolloutConfig
 from apmpo.data.vision import VisionInputs
 from apmpo import seeding
 from apmpo.envs.episodes import EpisodeRunner
-from apmpo.eval.run import Sampling
 from apmpo.learner.batching import Rollout, StepRollouts
 from apmpo.loss import LossConfig, adaptive_params, advantages_for
+from apmpo.rewards import RewardSummary
+from apmpo.rollout.sampling import Sampling
 
-# completions, samples, deadline= -> (rewards, summary): apmpo.rewards.RewardPool.score with the reward bound;
-# crashes and time-outs are scored 0 and counted in the summary ("errors", "timeouts", "crashes", their total
-# "failures", and the "first_error").
-ScoreFn = Callable[..., "tuple[list[float], dict]"]
+# completions, samples, deadline=, max_failures= -> (rewards, summary): apmpo.rewards.RewardPool.score with the
+# reward bound; crashes and time-outs are scored 0 and counted in the RewardSummary.
+ScoreFn = Callable[..., "tuple[list[float], RewardSummary]"]
 # More failed rewards than this in a step is a broken reward function, not hard completions: stop, rather than
 # train on zeros.
 MAX_FAILED_FRAC = 0.5
@@ -72,11 +72,11 @@ def overlong_penalty(length: int, cfg: RolloutConfig) -> float:
 
 def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]], samples: list[dict],
                      score: ScoreFn, cfg: RolloutConfig, loss: LossConfig, *, run_seed: int, step: int,
-                     stop_token_ids: list[int], vision: VisionInputs | None = None,
+                     sampling: Sampling, vision: VisionInputs | None = None,
                      episodes: EpisodeRunner | None = None) -> StepRollouts:
     """Generates and scores until the batch is full; the seconds spent go to .times ("generate", "reward", and
     "env" for episodes). Engine seeds come from apmpo.seeding (run seed, step, round): no two requests of a run
-    share one, and evaluation draws from another range. Generation stops at `stop_token_ids`, as in evaluation.
+    share one, and evaluation draws from another range. `sampling` is cfg.sampling(the model's stop tokens).
     Scoring takes at most `cfg.reward_step_timeout_s` over all rounds; raises RuntimeError when more than
     MAX_FAILED_FRAC of the step's rewards failed. With `vision`, prompts' images go to the engine, and each
     rollout carries its prompt with expanded image pads and its images' model inputs (Rollout.mm). With `episodes`,
@@ -99,22 +99,21 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
             tolerable = math.floor(MAX_FAILED_FRAC * (len(raw_rewards) + len(chosen) * G)) - failures
             flat, summary = _complete(client, chosen, prompt_ids, samples, score, cfg, times,
                                       seed=seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G),
-                                      stop_token_ids=stop_token_ids, vision=vision, max_failures=tolerable)
+                                      sampling=sampling, vision=vision, max_failures=tolerable)
         else:
             T = episodes.limits.max_turns
             first = seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G * T)
             played, summary = episodes.run(client, [samples[i] for i in chosen for _ in range(G)],
                                            lambda e, t, first=first, T=T: seeding.turn_seed(first, e, T, t),
-                                           Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens,
-                                                    tuple(stop_token_ids)))
-            times["generate"] += summary["generate_seconds"]
-            times["env"] += summary["env_seconds"]
-            turns += summary["turns"]
+                                           sampling)
+            times["generate"] += summary.generate_seconds
+            times["env"] += summary.env_seconds
+            turns += summary.turns
             flat = [Rollout(e.prompt_ids, e.completion_ids, e.logprobs, e.finish_reason, group=-1, reward=e.reward,
                             sampled=e.sampled, weight_versions=e.weight_versions) for e in played]
         raw_rewards += [r.reward for r in flat]
-        failures += summary["failures"]
-        first_error = first_error or summary["first_error"]
+        failures += summary.failures
+        first_error = first_error or summary.first_error
         if failures > MAX_FAILED_FRAC * len(raw_rewards):
             raise RuntimeError(
                 f"reward scoring failed for {failures} of {len(raw_rewards)} completions this step (errors, "
@@ -162,15 +161,13 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
 
 
 def _complete(client, chosen: list[int], prompt_ids: list[list[int]], samples: list[dict], score: ScoreFn,
-              cfg: RolloutConfig, times: dict[str, float], *, seed: int, stop_token_ids: list[int],
-              vision: VisionInputs | None, max_failures: int) -> tuple[list[Rollout], dict]:
+              cfg: RolloutConfig, times: dict[str, float], *, seed: int, sampling: Sampling,
+              vision: VisionInputs | None, max_failures: int) -> tuple[list[Rollout], RewardSummary]:
     """One round of single-turn completions: G per chosen prompt, generated and scored (prompt-major order)."""
     G = cfg.group_size
     tick = time.perf_counter()
     images = [vision.image_bytes(samples[i]) for i in chosen] if vision else None
-    outputs = client.generate([prompt_ids[i] for i in chosen], n=G, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k, max_tokens=cfg.max_tokens, seed=seed, stop_token_ids=stop_token_ids,
-                              images=images)
+    outputs = client.generate([prompt_ids[i] for i in chosen], sampling, n=G, seed=seed, images=images)
     times["generate"] += time.perf_counter() - tick
     tick = time.perf_counter()
     flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]

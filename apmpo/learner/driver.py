@@ -93,11 +93,11 @@ class Driver(contextlib.ExitStack):
         if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
             self.push(engine.module)
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
-        stop_ids = stop_token_ids(self.model_path, tokenizer)  # as in evaluation
+        sampling = cfg.rollout.sampling(stop_token_ids(self.model_path, tokenizer))  # stops as in evaluation
         episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: multi-turn episodes, else None
         self.stream = RolloutStream(lambda step: collect_rollouts(
             self.client, self.sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss, run_seed=cfg.train.seed,
-            step=step, stop_token_ids=stop_ids, vision=vision, episodes=episodes), cfg.train.max_staleness,
+            step=step, sampling=sampling, vision=vision, episodes=episodes), cfg.train.max_staleness,
             cfg.train.steps)
         self.callback(self.stream.close)
 
@@ -115,7 +115,7 @@ class Driver(contextlib.ExitStack):
         """The learner's weights (or its adapter) into every server; the seconds, and the engines' loading part."""
         self.policy_version = lora.push_policy(self.client, model)  # the adapter alone with LoRA
         push = self.client.last_push
-        return {"time/weight_sync": push["seconds"], "time/weight_sync_engine_load": push["reload_s"] - push["wait_s"]}
+        return {"time/weight_sync": push.seconds, "time/weight_sync_engine_load": push.reload_s - push.wait_s}
 
     def log(self, step: int, metrics: dict[str, float], engine) -> None:
         """Validation every eval.every steps and after the last (keeping the best policy when asked), then the

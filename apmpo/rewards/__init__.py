@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from apmpo.rewards.batch import RewardPool, score_batch
+from apmpo.rewards.batch import RewardPool, RewardSummary, score_batch
 from apmpo.rewards.choice import choice_reward
 from apmpo.rewards.maths import math_reward
 from apmpo.rewards.quickstart import quickstart_reward
@@ -43,4 +43,5 @@ def get_reward(name: str) -> RewardFn:
     return fn
 
 
-__all__ = ["REWARDS", "RewardPool", "choice_reward", "get_reward", "math_reward", "score_batch", "sql_reward"]
+__all__ = ["REWARDS", "RewardPool", "RewardSummary", "choice_reward", "get_reward", "math_reward", "score_batch",
+           "sql_reward"]

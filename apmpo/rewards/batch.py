@@ -13,10 +13,10 @@ time) takes the next items: hung items then time out side by side, and a few han
 each. A worker's address space is capped at `memory_mb` (RLIMIT_AS): a reward that allocates too much fails at once (MemoryError) instead of
 swapping the machine. An item whose reward raises, returns something other than a finite number (NaN, inf, a
 string, None), or whose worker dies, scores 0; so do the items left when a call runs past its `deadline`.
-`summary` counts them:
+`summary` (a RewardSummary) counts them:
 
-    {"n": 64, "errors": 1, "timeouts": 0, "crashes": 0, "failures": 1, "first_error": "KeyError('answer')",
-     "unscored": 0, "seconds": 0.4}
+    RewardSummary(n=64, errors=1, timeouts=0, crashes=0, unscored=0, first_error="KeyError: 'answer'", seconds=0.4)
+    summary.failures  # 1
 
 With `max_failures`, a call stops as soon as more items than that have failed, since the caller's verdict (the
 batch is broken) can no longer change: the rest score 0 and count as "unscored" failures.
@@ -37,6 +37,7 @@ import struct
 import sys
 import time
 import types
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Sequence
@@ -62,6 +63,22 @@ MAX_STALLED = 16
 # own start imports the verifiers: 3 s on a busy machine); its item's clock starts once it is ready.
 STARTUP_S = 30.0
 MEMORY_MB = 4096  # a worker's address space (RLIMIT_AS); sympy's workers use a few hundred MiB
+
+
+@dataclass(frozen=True)
+class RewardSummary:
+    """What scoring a batch came to: how many items scored 0 because their reward failed, and why."""
+    n: int  # items
+    errors: int = 0  # the reward raised, or returned no finite number
+    timeouts: int = 0  # ran past the item's timeout or the call's deadline, or never started before it
+    crashes: int = 0  # the worker died on it (segfault, os._exit, out of memory)
+    unscored: int = 0  # left once more than max_failures had failed
+    first_error: str | None = None  # the message of the first failure
+    seconds: float = 0.0  # the whole call
+
+    @property
+    def failures(self) -> int:
+        return self.errors + self.timeouts + self.crashes + self.unscored
 
 
 def _worker_main(conn: Connection, memory_mb: int) -> None:
@@ -156,18 +173,18 @@ class RewardPool:
         self._workers[index] = _Worker(self.memory_mb)
         return self._workers[index]
 
-    def _record_failure(self, summary: dict, kind: str, message: str, count: int = 1) -> None:
-        summary[kind] += count
-        if summary["first_error"] is None:
-            summary["first_error"] = message
+    def _record_failure(self, counts: dict, kind: str, message: str, count: int = 1) -> None:
+        counts[kind] += count
+        if counts["first_error"] is None:
+            counts["first_error"] = message
         if not self._logged_failure:
             self._logged_failure = True
             logger.warning("reward scoring failed (%s; later failures are only counted): %s", kind, message)
 
     def score(self, reward: Reward, completions: Sequence[str], samples: Sequence[dict],
-              deadline: float | None = None, max_failures: int | None = None) -> tuple[list[float], dict]:
+              deadline: float | None = None, max_failures: int | None = None) -> tuple[list[float], RewardSummary]:
         """Scores of `completions` against `samples` with `reward` (a registry name or a picklable
-        function); failed or timed-out items score 0 and are counted in the returned summary. At `deadline`
+        function); failed or timed-out items score 0 and are counted in the returned RewardSummary. At `deadline`
         (a time.monotonic() value), items still running are stopped and those not started are not: all of
         them score 0 and count as timeouts. Once more than `max_failures` items failed, the call stops: the
         items not yet scored score 0 and count as "unscored" failures."""
@@ -178,7 +195,7 @@ class RewardPool:
                              "do not re-run the script: define it in a module and import it from there")
         start = time.monotonic()
         scores = [0.0] * len(completions)
-        summary = {"n": len(completions), "errors": 0, "timeouts": 0, "crashes": 0, "first_error": None}
+        counts = {"errors": 0, "timeouts": 0, "crashes": 0, "first_error": None}  # the summary's, as they come
         unscored = 0
         pending = collections.deque(range(len(completions)))
         busy: dict[Connection, _Worker] = {}
@@ -189,7 +206,7 @@ class RewardPool:
             return own if deadline is None else min(own, deadline)
 
         def failed() -> bool:
-            failures = summary["errors"] + summary["timeouts"] + summary["crashes"]
+            failures = counts["errors"] + counts["timeouts"] + counts["crashes"]
             return max_failures is not None and failures > max_failures
 
         def stalled(worker: _Worker, now: float) -> bool:
@@ -252,7 +269,7 @@ class RewardPool:
                 except (EOFError, OSError):  # the worker died: segfault, os._exit, out of memory
                     del busy[conn]
                     worker.process.join(timeout=5.0)  # its pipe closes an instant before it is reaped
-                    self._record_failure(summary, "crashes", f"worker exited with code {worker.process.exitcode}")
+                    self._record_failure(counts, "crashes", f"worker exited with code {worker.process.exitcode}")
                     requeue(worker)
                     self._replace(worker)
                     continue
@@ -264,7 +281,7 @@ class RewardPool:
                 if status == "ok":
                     scores[index] = value
                 else:
-                    self._record_failure(summary, "errors", value)
+                    self._record_failure(counts, "errors", value)
                 if worker.items:
                     worker.started, worker.deadline = time.monotonic(), item_deadline(worker)  # the next one starts
                 else:
@@ -275,7 +292,7 @@ class RewardPool:
                     del busy[conn]
                     late = deadline is not None and worker.deadline == deadline
                     index = worker.items[0]
-                    self._record_failure(summary, "timeouts", f"item {index} ran past the call's deadline"
+                    self._record_failure(counts, "timeouts", f"item {index} ran past the call's deadline"
                                          if late else f"item {index} ran past {self.timeout_s}s")
                     requeue(worker)
                     self._replace(worker)
@@ -290,15 +307,13 @@ class RewardPool:
         if unstarted and failed():
             unscored += unstarted
         elif unstarted:
-            self._record_failure(summary, "timeouts", f"{unstarted} item(s) not started by the call's deadline",
+            self._record_failure(counts, "timeouts", f"{unstarted} item(s) not started by the call's deadline",
                                  unstarted)
         for extra in self._workers[self.num_workers:]:  # all idle now
             extra.kill()
         del self._workers[self.num_workers:]
-        summary["unscored"] = unscored
-        summary["failures"] = summary["errors"] + summary["timeouts"] + summary["crashes"] + unscored
-        summary["seconds"] = round(time.monotonic() - start, 3)
-        return scores, summary
+        return scores, RewardSummary(len(completions), **counts, unscored=unscored,
+                                     seconds=round(time.monotonic() - start, 3))
 
     def close(self) -> None:
         for worker in self._workers:
@@ -318,7 +333,7 @@ def score_batch(
     samples: Sequence[dict],
     timeout_s: float = 10.0,
     num_workers: int | None = None,
-) -> tuple[list[float], dict]:
+) -> tuple[list[float], RewardSummary]:
     """One-off `RewardPool(num_workers, timeout_s).score(reward, completions, samples)`."""
     num_workers = min(num_workers or os.cpu_count() or 1, max(1, len(completions)))
     with RewardPool(num_workers, timeout_s) as pool:

@@ -1,4 +1,5 @@
 """Generation: the vLLM server (`python -m apmpo.rollout.server`), its client, and learner→server weight sync."""
-from apmpo.rollout.client import GenerationClient, Sample, ServerError, ServerUnavailable
+from apmpo.rollout.client import GenerationClient, PushReport, Sample, ServerError, ServerUnavailable
+from apmpo.rollout.sampling import Sampling
 
-__all__ = ["GenerationClient", "Sample", "ServerError", "ServerUnavailable"]
+__all__ = ["GenerationClient", "PushReport", "Sample", "Sampling", "ServerError", "ServerUnavailable"]

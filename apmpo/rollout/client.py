@@ -2,7 +2,7 @@
 
     client = GenerationClient("http://127.0.0.1:8000", token=None)
     client.wait_ready(timeout_s=300)
-    outs = client.generate(prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=512)  # outs[prompt][sample]
+    outs = client.generate(prompts, Sampling(max_tokens=512), n=8, seed=0)  # outs[prompt][sample]
     version = client.push_weights(model.named_parameters())
     version = client.load_adapter("/dev/shm/adapter")     # a LoRA server (--enable-lora): a PEFT adapter folder
     client.close()
@@ -13,10 +13,12 @@ unreachable raises `ServerUnavailable` naming its URL.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import itertools
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -26,6 +28,7 @@ import requests
 import torch
 
 from apmpo.rollout.net import in_thread, is_loopback, local_address_towards
+from apmpo.rollout.sampling import Sampling
 from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, Transport, WeightGroup, holds_in_place,
                                        pack_in_place, plan_buckets, select_transport, send_buckets,
                                        sweep_orphan_segments)
@@ -56,6 +59,19 @@ class Sample:
     weight_version: int = -1  # of the weights that generated it (the server's count of pushes); -1: unknown
 
 
+@dataclass(frozen=True)
+class PushReport:
+    """What the last weight push took: GenerationClient.last_push, ServerPool.last_push."""
+    transport: str  # shm | gloo | nccl | cuda_ipc, or folder (a LoRA adapter the server read); a pool's: its servers'
+    in_place: bool  # shm after the first push: written into the segment the workers map, loaded in one request
+    bytes: int  # sent to each server
+    seconds: float  # the whole push, as the learner waited for it
+    reload_s: float  # the slowest engine's load
+    wait_s: float  # of it, waiting for the learner's bytes
+    servers: tuple[PushReport, ...] = ()  # a pool's: each server's
+    one_group: bool = False  # a pool's: one weight group held every server's workers
+
+
 class GenerationClient:
     def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 3600.0, retries: int = 3,
                  transport: Transport | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -68,22 +84,38 @@ class GenerationClient:
         self.sync_host, self.sync_timeout_s = sync_host, sync_timeout_s
         if token is not None and not token.strip():
             raise ValueError("token is empty: pass None for a server without one")
-        self._session = requests.Session()
-        if token is not None:
-            self._session.headers["Authorization"] = f"Bearer {token}"
+        self._token = token
+        # One Session per thread: requests does not promise that a Session is thread-safe, and in asynchronous
+        # training the rollout thread generates while the main thread pushes weights (a push asks every server
+        # from threads of its own).
+        self._sessions: dict[threading.Thread, requests.Session] = {}
+        self._sessions_lock = threading.Lock()
         self._info: dict[str, Any] | None = None
         self._sender = WeightSender([self])
         sweep_orphan_segments()  # of learners killed while sharing weights with a server
-        self.last_push: dict[str, Any] = {}  # the last push_weights: transport, bytes, seconds, engine's reload_s/wait_s
+        self.last_push: PushReport | None = None
 
     # --- HTTP ---
+
+    def _session(self) -> requests.Session:
+        """The calling thread's session; those of threads that have ended are closed when a new one is made."""
+        thread = threading.current_thread()
+        with self._sessions_lock:
+            session = self._sessions.get(thread)
+            if session is None:
+                for ended in [t for t in self._sessions if not t.is_alive()]:
+                    self._sessions.pop(ended).close()
+                session = self._sessions[thread] = requests.Session()
+                if self._token is not None:
+                    session.headers["Authorization"] = f"Bearer {self._token}"
+            return session
 
     def _request(self, method: str, path: str, *, json: Any = None, timeout_s: float = 30.0,
                  retries: int | None = None) -> Any:
         attempts = 1 + (self.retries if retries is None else retries)
         for attempt in range(attempts):
             try:
-                response = self._session.request(method, self.url + path, json=json, timeout=timeout_s)
+                response = self._session().request(method, self.url + path, json=json, timeout=timeout_s)
                 break
             except (requests.ConnectionError, requests.Timeout) as error:
                 if attempt + 1 == attempts or isinstance(error, requests.ReadTimeout):
@@ -120,17 +152,13 @@ class GenerationClient:
         self._info = self._request("GET", "/info")
         return self._info
 
-    def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int = 512, seed: int | None = None, stop_token_ids: list[int] | None = None,
-                 top_k: int = -1, images: list[list[bytes]] | None = None,
-                 seeds: list[int] | None = None) -> list[list[Sample]]:
-        """prompts as token ids; returns outs[prompt][sample]. Every sampling parameter is sent explicitly.
-        seeds: one per prompt instead of `seed` (prompt i's samples: seeds[i] + j).
+    def generate(self, prompts: list[list[int]], sampling: Sampling, n: int = 1, *, seed: int | None = None,
+                 seeds: list[int] | None = None, images: list[list[bytes]] | None = None) -> list[list[Sample]]:
+        """prompts as token ids; returns outs[prompt][sample]. Every field of `sampling` is sent explicitly.
+        seed: prompt i's samples draw with seed + i * n + j; seeds: one per prompt instead (seeds[i] + j).
         images[i]: prompt i's encoded images (PNG/JPEG bytes) for a vision-language model, one <|image_pad|>
         per image in the prompt (apmpo.data.vision.VisionInputs.encode / image_bytes)."""
-        body = {"prompts": [list(map(int, p)) for p in prompts], "n": n, "temperature": temperature,
-                "top_p": top_p, "top_k": top_k, "max_tokens": max_tokens, "seed": seed,
-                "stop_token_ids": list(stop_token_ids or [])}
+        body = {"prompts": [list(map(int, p)) for p in prompts], "n": n, **dataclasses.asdict(sampling), "seed": seed}
         if seeds is not None:
             body["seeds"] = [int(s) for s in seeds]
         if images is not None:
@@ -159,21 +187,24 @@ class GenerationClient:
 
     def load_adapter(self, path: str | os.PathLike) -> int:
         """Loads the PEFT adapter folder `path`, which the server reads itself (this machine, or a filesystem both
-        share), as the next weight version; returns it. Generation pauses meanwhile. last_push["bytes"] counts the
+        share), as the next weight version; returns it. Generation pauses meanwhile. last_push.bytes counts the
         adapter's tensor bytes."""
         info = self._info or self.info()
         start = time.perf_counter()
         update = self._request("POST", "/lora/load", json={"path": os.fspath(path)},
                                timeout_s=info["limits"]["generate_timeout_s"] + self.sync_timeout_s + 60, retries=0)
-        self.last_push = {"transport": "folder", "in_place": False,
-                          "bytes": safetensors_data_bytes(os.path.join(path, "adapter_model.safetensors")),
-                          "seconds": time.perf_counter() - start, "reload_s": update["reload_s"],
-                          "wait_s": update["wait_s"]}
+        self.last_push = PushReport("folder", in_place=False,
+                                    bytes=safetensors_data_bytes(os.path.join(path, "adapter_model.safetensors")),
+                                    seconds=time.perf_counter() - start, reload_s=update["reload_s"],
+                                    wait_s=update["wait_s"])
         return update["weight_version"]
 
     def close(self) -> None:
         self._sender.close()
-        self._session.close()
+        with self._sessions_lock:
+            for session in self._sessions.values():
+                session.close()
+            self._sessions.clear()
 
     def __enter__(self) -> GenerationClient:
         return self
@@ -193,7 +224,7 @@ class WeightSender:
     def __init__(self, clients: list[GenerationClient]):
         self.clients = clients
         self.group: WeightGroup | None = None
-        self.last_push: dict[str, Any] = {}  # transport, in_place, bytes, seconds, slowest engine's reload_s/wait_s
+        self.last_push: PushReport | None = None
 
     @staticmethod
     def one_group_reaches(clients: list[GenerationClient]) -> bool:
@@ -299,9 +330,8 @@ class WeightSender:
             if error is not None:
                 raise error
         slowest = max(updates, key=lambda update: update["reload_s"])
-        self.last_push = {"transport": group.transport, "in_place": in_place, "bytes": nbytes,
-                          "seconds": time.perf_counter() - start, "reload_s": slowest["reload_s"],
-                          "wait_s": slowest["wait_s"]}
+        self.last_push = PushReport(group.transport, in_place, nbytes, time.perf_counter() - start,
+                                    slowest["reload_s"], slowest["wait_s"])
         return updates
 
     def _each(self, method: str, path: str, *, timeout_s: float, json: Any = None) -> list[Any]:

@@ -1,7 +1,7 @@
 """Several generation servers behind the interface of one GenerationClient (data-parallel generation).
 
     pool = ServerPool([GenerationClient(url) for url in urls])     # or launcher.serve(..., devices="4;5").client()
-    outs = pool.generate(prompts, n=8, seed=s, ...)                  # outs[prompt][sample], in prompt order
+    outs = pool.generate(prompts, sampling, n=8, seed=s)            # outs[prompt][sample], in prompt order
     version = pool.push_weights(model.named_parameters())           # to every server at once, same version
     version = pool.load_adapter(folder)                              # LoRA servers: an adapter, the same way
 
@@ -24,14 +24,17 @@ was restarted), raise ServerError naming the servers.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import time
 from typing import Any, Iterable
 
 import torch
 
-from apmpo.rollout.client import GenerationClient, Sample, ServerError, ServerUnavailable, WeightSender
+from apmpo.rollout.client import (GenerationClient, PushReport, Sample, ServerError, ServerUnavailable,
+                                  WeightSender)
 from apmpo.rollout.net import in_thread
+from apmpo.rollout.sampling import Sampling
 
 # What every server of a pool must agree on: prompts are encoded once, for one model.
 SAME_ON_ALL = ("model", "max_model_len", "vocab_size", "dtype", "multimodal")
@@ -42,14 +45,9 @@ class ServerPool:
         if not clients:
             raise ValueError("ServerPool needs at least one client")
         self.clients = clients
-        self.last_push: dict[str, Any] = {}  # as GenerationClient's, over the pool: seconds of the whole fan-out
-        self.last_generate: dict[str, int] = {}  # prompts each server served in the last generate
+        self.last_push: PushReport | None = None  # as GenerationClient's, over the pool: seconds of the whole fan-out
         # One group for all servers where it reaches them; else None, and each client pushes through its own.
         self.sender = WeightSender(clients) if len(clients) > 1 and WeightSender.one_group_reaches(clients) else None
-
-    @property
-    def urls(self) -> list[str]:
-        return [client.url for client in self.clients]
 
     def info(self) -> dict[str, Any]:
         """The first server's /info, after checking that all serve the same model at the same weight version."""
@@ -60,23 +58,19 @@ class ServerPool:
                 raise ServerError(f"the generation servers disagree on {key}: {values}")
         return infos[0]
 
-    def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int = 512, seed: int | None = None, stop_token_ids: list[int] | None = None,
-                 top_k: int = -1, images: list[list[bytes]] | None = None,
-                 seeds: list[int] | None = None) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, n: int = 1, *, seed: int | None = None,
+                 seeds: list[int] | None = None, images: list[list[bytes]] | None = None) -> list[list[Sample]]:
         """As GenerationClient.generate. The first server that fails ends the call with its error (naming its URL);
         the others finish their chunks meanwhile, unread."""
         bounds = [len(prompts) * k // len(self.clients) for k in range(len(self.clients) + 1)]
         chunks = [(client, start, end) for client, start, end in zip(self.clients, bounds, bounds[1:]) if end > start]
         futures = {in_thread(functools.partial(
-            client.generate, prompts[start:end], n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            seed=None if seed is None else seed + start * n, stop_token_ids=stop_token_ids, top_k=top_k,
-            images=None if images is None else images[start:end],
-            seeds=None if seeds is None else seeds[start:end])): client for client, start, end in chunks}
+            client.generate, prompts[start:end], sampling, n, seed=None if seed is None else seed + start * n,
+            seeds=None if seeds is None else seeds[start:end],
+            images=None if images is None else images[start:end])): client for client, start, end in chunks}
         for future in concurrent.futures.as_completed(futures):
             if future.exception() is not None:
                 raise _naming(futures[future].url, future.exception())
-        self.last_generate = {client.url: end - start for client, start, end in chunks}
         return [row for future in futures for row in future.result()]
 
     def join_weight_group(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -99,9 +93,10 @@ class ServerPool:
             updates = self.sender.push(named)
         except Exception as error:  # noqa: BLE001 (named as the per-server path names it)
             raise ServerError(f"weight push failed on the weight group of all {len(self.clients)} generation "
-                              f"servers ({', '.join(self.urls)}): {error}") from error
+                              f"servers ({', '.join(c.url for c in self.clients)}): {error}") from error
         versions = {client.url: update["weight_version"] for client, update in zip(self.clients, updates)}
-        return self._settle(versions, [{**self.sender.last_push, **update} for update in updates], start)
+        return self._settle(versions, [dataclasses.replace(self.sender.last_push, reload_s=update["reload_s"],
+                                                           wait_s=update["wait_s"]) for update in updates], start)
 
     def load_adapter(self, path) -> int:
         """As GenerationClient.load_adapter, on every server in parallel; returns the version, the same on all."""
@@ -113,14 +108,14 @@ class ServerPool:
         versions = {client.url: future.result() for client, future in zip(self.clients, futures)}
         return self._settle(versions, [client.last_push for client in self.clients], start)
 
-    def _settle(self, versions: dict[str, int], pushes: list[dict], start: float) -> int:
+    def _settle(self, versions: dict[str, int], pushes: list[PushReport], start: float) -> int:
         if len(set(versions.values())) > 1:
             raise ServerError(f"the generation servers report different weight versions after the push: {versions} "
                               "(one was restarted, or pushed by another learner): restart them together")
-        slowest = max(pushes, key=lambda push: push["reload_s"])
-        self.last_push = {"transport": ",".join(sorted({p["transport"] for p in pushes})), "bytes": pushes[0]["bytes"],
-                          "seconds": time.perf_counter() - start, "reload_s": slowest["reload_s"],
-                          "wait_s": slowest["wait_s"], "servers": pushes, "one_group": self.sender is not None}
+        slowest = max(pushes, key=lambda push: push.reload_s)
+        self.last_push = PushReport(",".join(sorted({p.transport for p in pushes})), all(p.in_place for p in pushes),
+                                    pushes[0].bytes, time.perf_counter() - start, slowest.reload_s, slowest.wait_s,
+                                    servers=tuple(pushes), one_group=self.sender is not None)
         return next(iter(versions.values()))
 
     def _raise_failures(self, errors: list[BaseException | None]) -> None:

@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
+from apmpo.rollout.sampling import Sampling, check_sampling
 from apmpo.rollout.weight_sync import BadPush, Bucket, ExpectedWeights, Transport, sweep_orphan_segments
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
@@ -70,17 +71,17 @@ class _Strict(BaseModel):
 
 
 MAX_SEED = 2**64 - 1  # vLLM sends each sample's seed to its engine process as a msgpack uint64
-MIN_TEMPERATURE = 0.01  # vLLM raises a temperature in (0, 0.01) to 0.01: its log-probs would not be the asked ones
 
 
 class GenerateRequest(_Strict):
     # Numbers out of range fail here (422), before the engine sees them: an unserialisable seed once wedged it.
     prompts: list[list[int]] = Field(min_length=1)
     n: int = Field(ge=1)
-    temperature: float = Field(ge=0, le=2, allow_inf_nan=False)  # 0 = greedy; vLLM refuses above 2
-    top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(ge=-1, le=2**31 - 1)  # -1 = off (as is any k >= the vocabulary)
-    max_tokens: int = Field(ge=1)
+    # The fields of a Sampling, each required: no silent default. Their ranges: check_sampling, below.
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0)  # prompt i uses seed + i * n, its samples seed + i * n + j
     # Or one seed per prompt (its samples: seeds[i] + j): multi-turn episodes draw each turn with the seed of the
@@ -90,12 +91,13 @@ class GenerateRequest(_Strict):
     # the prompt holds ONE <|image_pad|> per image (the engine expands it).
     images: list[list[str]] | None = None
 
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, tuple(self.stop_token_ids))
+
     @model_validator(mode="after")
     def _engine_ranges(self) -> GenerateRequest:
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
-        if self.temperature == 0 and self.n > 1:  # vLLM refuses it while building the request: it was a bare 500
-            raise ValueError(f"n must be 1 with temperature 0 (greedy samples are all the same), got n={self.n}")
+        check_sampling(self.sampling, self.n)
         if self.seed is not None and self.seed + len(self.prompts) * self.n - 1 > MAX_SEED:
             raise ValueError(f"seed: the last sample's seed, seed + prompts * n - 1, exceeds {MAX_SEED}")
         if self.seeds is not None and (self.seed is not None or len(self.seeds) != len(self.prompts)
@@ -330,9 +332,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
     async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
         check_generate(req, limits, engine["max_model_len"], engine["vocab_size"], engine["multimodal"])
         params = [
-            compat.sampling_params(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                   max_tokens=req.max_tokens, stop_token_ids=req.stop_token_ids,
-                                   never_sample=never_sample,
+            compat.sampling_params(req.sampling, n=req.n, never_sample=never_sample,
                                    seed=req.seeds[i] if req.seeds is not None
                                    else None if req.seed is None else req.seed + i * req.n)
             for i in range(len(req.prompts))

@@ -137,6 +137,7 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.logprobs import LogprobsProcessor  # noqa: E402
 
+from apmpo.rollout.sampling import Sampling  # noqa: E402
 from apmpo.rollout.weight_sync import WeightReceiverExtension  # noqa: E402,F401 (WORKER_EXTENSION)
 
 
@@ -328,13 +329,11 @@ def placeholder_token_ids(llm: vllm.LLM) -> list[int]:
     return placeholder_token_ids(llm.llm_engine.model_config.hf_config)
 
 
-def sampling_params(
-    *, n: int, temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int | None,
-    stop_token_ids: list[int], never_sample: list[int] = (),
-) -> vllm.SamplingParams:
+def sampling_params(sampling: Sampling, *, n: int, seed: int | None,
+                    never_sample: list[int] = ()) -> vllm.SamplingParams:
     return vllm.SamplingParams(
-        n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
-        stop_token_ids=stop_token_ids,
+        n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
         logprobs=0,  # 0 = only the sampled token's log-prob
         flat_logprobs=True,  # a few lists per sample, not a dict and an object per token
         # Applied before the temperature and the processed log-probs, which so stay the sampler's own (the
