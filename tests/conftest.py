@@ -1,8 +1,14 @@
 """Shared fixtures: tiny random Qwen2 checkpoints built in code (tied and untied embeddings), generation servers on
-them for the whole session, and one short quickstart run."""
+them for the whole session, and one short quickstart run with a server on its exported checkpoint."""
+import os
+import sys
+from pathlib import Path
+
 import pytest
 
 from apmpo.tiny import save_perturbed_copy, save_tiny_model
+
+TESTS = Path(__file__).resolve().parent
 
 # The session's servers: one token, and caps that every module using them fits in (a request over one is a 400).
 SERVER_TOKEN = "test-token"
@@ -77,3 +83,34 @@ def quickstart_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("quickstart_run")
     run(train_command("configs/quickstart.yaml", *QUICKSTART_RUN, f"logging.output_dir={out}"), timeout=900)
     return out / "quickstart"
+
+
+@pytest.fixture(scope="session")
+def quickstart_export_server(quickstart_run):
+    """A server on quickstart_run's step-4 export (hf/), as `python -m apmpo.eval --model` starts one (fp32, 128
+    tokens of context): the export loads in the server, and the eval CLI reaches it with --server."""
+    from apmpo.rollout.launcher import start_server  # noqa: PLC0415
+
+    server = start_server(str(quickstart_run / "checkpoints" / "step_4" / "hf"), dtype="float32", max_model_len=128,
+                          log_path=quickstart_run.parent / "export_server.log", ready_timeout_s=300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory):
+    """The quickstart for 2 steps (a checkpoint at step 2) through the `deepspeed` launcher with 2 learner ranks, with
+    a reward that returns NaN now and then (tests/failing_rewards.py, named as a user names theirs): one run for
+    test_train_cli's two-rank test and test_train_faults' NaN test. The launcher's CompletedProcess and the run
+    directory."""
+    from apmpo.rollout.net import free_port  # noqa: PLC0415
+    from train_runs import run, train_command  # noqa: PLC0415
+
+    out = tmp_path_factory.mktemp("two_rank_run")
+    command = train_command("configs/quickstart.yaml", "train.steps=2", "checkpoint.save_every=2",
+                            "data.reward=failing_rewards:nan_every_20th", f"logging.output_dir={out}")
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                *command[1:]]
+    pythonpath = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])  # for failing_rewards
+    done = run(launcher, env={**os.environ, "PYTHONPATH": pythonpath})
+    return done, out / "quickstart"

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from apmpo.rollout.launcher import _group_alive
-from apmpo.rollout.net import free_port
 from train_runs import QUICKSTART_RUN, ROOT, metrics, run, train_command
 
 REQUIRED = {"step", "reward/mean", "reward/std", "apmpo/p", "apmpo/fss", "apmpo/eps_ada", "loss/policy",
@@ -77,7 +76,7 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_steps_metrics_and_checkpoint(quickstart_run):
+def test_quickstart_steps_metrics_and_checkpoint(quickstart_run, quickstart_export_server):
     records = metrics(quickstart_run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(REQUIRED <= r.keys() for r in records)
@@ -88,25 +87,20 @@ def test_quickstart_steps_metrics_and_checkpoint(quickstart_run):
 
     model = AutoModelForCausalLM.from_pretrained(final / "hf")
     assert model.config.tie_word_embeddings
-    from apmpo.rollout.launcher import serve  # the export also loads in the generation server
-
-    with serve(str(final / "hf"), log_path=quickstart_run.parent / "export_server.log", max_model_len=128) as server:
-        with server.client() as client:
-            [[sample]] = client.generate([[1, 5, 6]], n=1, temperature=0.0, max_tokens=3)
+    with quickstart_export_server.client() as client:  # the export also loads in the generation server
+        [[sample]] = client.generate([[1, 5, 6]], n=1, temperature=0.0, max_tokens=3)
     assert len(sample.token_ids) >= 1
 
 
 @pytest.mark.slow
-def test_two_learner_ranks_through_the_deepspeed_launcher(tmp_path):
-    """The whole loop with 2 learner processes over gloo: rank 0 generates and broadcasts, both ranks train."""
-    command = quickstart_command(tmp_path, "train.steps=2", "checkpoint.save_every=2")
-    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
-                str(free_port()), command[1]] + command[2:]
-    done = run(launcher)
+def test_two_learner_ranks_through_the_deepspeed_launcher(two_rank_run):
+    """The whole loop with 2 learner processes over gloo: rank 0 generates and broadcasts, both ranks train. (The
+    shared run's reward also returns NaN now and then: test_train_faults.)"""
+    done, run_dir = two_rank_run
     assert "2 learner rank(s)" in done.stdout
-    records = metrics(tmp_path / "quickstart")
+    records = metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2] and all(REQUIRED <= r.keys() for r in records)
-    ranks = sorted(p.name for p in (tmp_path / "quickstart/checkpoints/step_2/deepspeed").glob("*optim_states.pt"))
+    ranks = sorted(p.name for p in (run_dir / "checkpoints/step_2/deepspeed").glob("*optim_states.pt"))
     assert len(ranks) == 2  # ZeRO-2 partitioned the optimiser over both ranks
 
 
