@@ -1,7 +1,18 @@
-"""Shared fixtures: tiny random Qwen2 checkpoints built in code (tied and untied embeddings)."""
+"""Shared fixtures: tiny random Qwen2 checkpoints built in code (tied and untied embeddings), generation servers on
+them for the whole session, and one short quickstart run with a server on its exported checkpoint."""
+import os
+import sys
+from pathlib import Path
+
 import pytest
 
-from apmpo.tiny import save_tiny_model
+from apmpo.tiny import save_perturbed_copy, save_tiny_model
+
+TESTS = Path(__file__).resolve().parent
+
+# The session's servers: one token, and caps that every module using them fits in (a request over one is a 400).
+SERVER_TOKEN = "test-token"
+SERVER_LIMITS = dict(max_prompts=4096, max_n=64, max_tokens=200, generate_timeout_s=30)
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +26,55 @@ def tiny_untied(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_perturbed(tiny_tied, tmp_path_factory):
+    """tiny_tied with N(0, 0.5^2) noise on every weight (seed 1): weights that generate visibly differently."""
+    path = tmp_path_factory.mktemp("tiny_perturbed")
+    save_perturbed_copy(tiny_tied, path, seed=1)
+    return path
+
+
+def start_test_server(model_dir, log_path, *extra_args, limits=None, **kwargs):
+    """A server as the session's are (fp32, 256 tokens of context, SERVER_TOKEN, SERVER_LIMITS updated with
+    `limits`), with `extra_args`; `kwargs` go to start_server (wait=False: start several at once)."""
+    from apmpo.rollout.launcher import start_server  # noqa: PLC0415
+
+    limits = [arg for key, value in {**SERVER_LIMITS, **(limits or {})}.items()
+              for arg in (f"--{key.replace('_', '-')}", str(value))]
+    return start_server(str(model_dir), log_path=log_path, token=SERVER_TOKEN, dtype="float32", max_model_len=256,
+                        extra_args=(*limits, *extra_args), ready_timeout_s=300, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def session_servers(tiny_tied, tiny_perturbed, tmp_path_factory):
+    """tiny_server and perturbed_server, loading at once (two engine starts take about the time of one)."""
+    from apmpo.rollout.launcher import ServerSet  # noqa: PLC0415
+
+    logs = tmp_path_factory.mktemp("logs")
+    servers = ServerSet([])
+    try:
+        for name, model_dir in (("tiny_server", tiny_tied), ("perturbed_server", tiny_perturbed)):
+            servers.servers.append(start_test_server(model_dir, logs / f"{name}.log", wait=False))
+        servers.wait_ready(timeout_s=300)
+        yield servers.servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(session_servers):
+    """One compiled server on tiny_tied for the server, reliability and pool tests (an engine start costs 30-45 s
+    on 2 cores). A test that pushes other weights pushes tiny_tied's back before it ends; weight versions only
+    grow, so tests compare with the version they read first."""
+    return session_servers[0]
+
+
+@pytest.fixture(scope="session")
+def perturbed_server(session_servers):
+    """A fresh server on tiny_perturbed: the reference a push of those weights must equal. Never pushed to."""
+    return session_servers[1]
+
+
+@pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory):
     """The run directory of `launch/train.py --config configs/quickstart.yaml` with train_runs.QUICKSTART_RUN: one
     short run shared by every test that reads what a run leaves behind (see there)."""
@@ -23,3 +83,34 @@ def quickstart_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("quickstart_run")
     run(train_command("configs/quickstart.yaml", *QUICKSTART_RUN, f"logging.output_dir={out}"), timeout=900)
     return out / "quickstart"
+
+
+@pytest.fixture(scope="session")
+def quickstart_export_server(quickstart_run):
+    """A server on quickstart_run's step-4 export (hf/), as `python -m apmpo.eval --model` starts one (fp32, 128
+    tokens of context): the export loads in the server, and the eval CLI reaches it with --server."""
+    from apmpo.rollout.launcher import start_server  # noqa: PLC0415
+
+    server = start_server(str(quickstart_run / "checkpoints" / "step_4" / "hf"), dtype="float32", max_model_len=128,
+                          log_path=quickstart_run.parent / "export_server.log", ready_timeout_s=300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory):
+    """The quickstart for 2 steps (a checkpoint at step 2) through the `deepspeed` launcher with 2 learner ranks, with
+    a reward that returns NaN now and then (tests/failing_rewards.py, named as a user names theirs): one run for
+    test_train_cli's two-rank test and test_train_faults' NaN test. The launcher's CompletedProcess and the run
+    directory."""
+    from apmpo.rollout.net import free_port  # noqa: PLC0415
+    from train_runs import run, train_command  # noqa: PLC0415
+
+    out = tmp_path_factory.mktemp("two_rank_run")
+    command = train_command("configs/quickstart.yaml", "train.steps=2", "checkpoint.save_every=2",
+                            "data.reward=failing_rewards:nan_every_20th", f"logging.output_dir={out}")
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                *command[1:]]
+    pythonpath = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])  # for failing_rewards
+    done = run(launcher, env={**os.environ, "PYTHONPATH": pythonpath})
+    return done, out / "quickstart"

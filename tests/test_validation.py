@@ -189,17 +189,19 @@ def test_eval_cli_scores_with_a_named_reward(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_training_validates_every_2_steps_and_logs_what_the_eval_cli_reports(quickstart_run, tmp_path):
+def test_training_validates_every_2_steps_and_logs_what_the_eval_cli_reports(quickstart_run, quickstart_export_server,
+                                                                             tmp_path):
     rows = read_metrics(quickstart_run)  # 4 steps, eval.every 2, eval.limit 40 (tests/train_runs.py)
     validated = {row["step"]: row for row in rows if "val/quickstart_val/pass@1" in row}
     assert sorted(validated) == [2, 4]
     assert all(row["time/eval"] > 0 for row in validated.values())
     best = best_record(quickstart_run)
     assert best["value"] == max(row["val/quickstart_val/pass@1"] for row in validated.values())
-    # Step 4's checkpoint through the CLI, with the run's settings and seed (train.seed 0): the logged values.
+    # Step 4's checkpoint through the CLI, with the run's settings and seed (train.seed 0): the logged values. The
+    # server is the one the CLI would start on it (conftest's quickstart_export_server), shared with test_train_cli.
     done = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model",
                            str(quickstart_run / "checkpoints" / "step_4" / "hf"), *CLI, "--seeds", "0",
-                           "--max-model-len", "128", "--dtype", "float32", "--out", str(tmp_path / "cli")],
+                           "--server", quickstart_export_server.url, "--out", str(tmp_path / "cli")],
                           capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ})
     assert done.returncode == 0, done.stderr[-3000:]
     cli = json.loads((tmp_path / "cli" / "results.json").read_text())["benchmarks"]["quickstart_val"]

@@ -269,7 +269,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
         raise EvalError(f"cannot load the tokenizer of {model}: {error}") from None
     sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, stop_token_ids(model, tokenizer))
     episodes = None
-    start_kwargs = ({"ready_timeout_s": args.server_timeout} if args.server else
+    start_kwargs = ({"url_ready_timeout_s": args.server_timeout} if args.server else
                     {"devices": args.devices, "gpu_memory_utilization": args.gpu_memory_utilization,
                      "max_model_len": args.max_model_len, "dtype": args.dtype, "num_servers": args.num_servers,
                      "overlap": False, "extra_args": ("--enforce-eager",) if args.enforce_eager else ()})
