@@ -54,40 +54,57 @@ def _wait_group_gone(pgid: int, timeout_s: float = 20.0) -> list[int]:
     return alive
 
 
-def test_sigterm_to_a_hand_started_server_stops_its_engine(tiny_tied, tmp_path):
+@pytest.fixture(scope="module")
+def engines(tiny_tied, tmp_path_factory):
+    """The three multiprocess engines of the tests below, started at once (each start spawns an engine-core and a
+    worker process that import vLLM: 50-70 s one after another on 2 cores): a server started by hand, a server
+    started by the launcher, and ENGINE_SCRIPT. Each test waits for its own; all are killed at the end."""
+    logs = tmp_path_factory.mktemp("engines")
     # Started as a user would, without the launcher; and without VLLM_CPU_KVCACHE_SPACE, where the old default
     # --gpu-memory-utilization 0.9 failed on a machine with less than 90% of its memory free.
     env = {k: v for k, v in os.environ.items() if k not in ("APMPO_LAUNCHER_PID", "VLLM_CPU_KVCACHE_SPACE")}
-    env |= MULTIPROCESS
     port = free_port()
-    with open(tmp_path / "server.log", "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "apmpo.rollout.server", "--model", str(tiny_tied),
+    with open(logs / "by_hand.log", "wb") as log:
+        by_hand = subprocess.Popen([sys.executable, "-m", "apmpo.rollout.server", "--model", str(tiny_tied),
                                     "--port", str(port), "--max-model-len", "256"],
-                                   stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                   stdout=log, stderr=subprocess.STDOUT, env=env | MULTIPROCESS,
+                                   start_new_session=True)
+    launched = start_server(str(tiny_tied), log_path=logs / "launched.log", dtype="float32", max_model_len=256,
+                            env=MULTIPROCESS, wait=False)
+    (logs / "engine_script.py").write_text(ENGINE_SCRIPT)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **MULTIPROCESS}  # the wedge was in its msgpack path
+    with open(logs / "script.out", "wb") as out, open(logs / "script.err", "wb") as err:
+        script = subprocess.Popen([sys.executable, str(logs / "engine_script.py"), str(tiny_tied)], env=env,
+                                  stdout=out, stderr=err, start_new_session=True)
+    groups = (by_hand.pid, launched.process.pid, script.pid)
     try:
-        with GenerationClient(f"http://127.0.0.1:{port}") as client:
-            client.wait_ready(timeout_s=300)
-            assert len(client.generate([[1, 2, 3]], Sampling(max_tokens=4, temperature=0.0))[0][0].token_ids) > 0
-        assert len(_group(process.pid)) >= 3  # the server, VLLM::EngineCore, VLLM::Worker
-        os.kill(process.pid, signal.SIGTERM)  # the server only, as `kill PID` would
-        assert process.wait(timeout=20) == 128 + signal.SIGTERM
-        assert _wait_group_gone(process.pid) == [], (tmp_path / "server.log").read_text()[-3000:]
+        yield {"by_hand": (by_hand, f"http://127.0.0.1:{port}", logs / "by_hand.log"), "launched": launched,
+               "script": (script, logs / "script.out", logs / "script.err")}
     finally:
-        _kill_group(process.pid)
+        for pgid in groups:
+            _kill_group(pgid)
 
 
-def test_stop_after_the_server_was_killed_stops_its_engine(tiny_tied, tmp_path):
-    server = start_server(str(tiny_tied), log_path=tmp_path / "server.log", dtype="float32", max_model_len=256,
-                          ready_timeout_s=300, env=MULTIPROCESS)
+def test_sigterm_to_a_hand_started_server_stops_its_engine(engines):
+    process, url, log = engines["by_hand"]
+    with GenerationClient(url) as client:
+        client.wait_ready(timeout_s=300)
+        assert len(client.generate([[1, 2, 3]], Sampling(max_tokens=4, temperature=0.0))[0][0].token_ids) > 0
+    assert len(_group(process.pid)) >= 3  # the server, VLLM::EngineCore, VLLM::Worker
+    os.kill(process.pid, signal.SIGTERM)  # the server only, as `kill PID` would
+    assert process.wait(timeout=20) == 128 + signal.SIGTERM
+    assert _wait_group_gone(process.pid) == [], log.read_text()[-3000:]
+
+
+def test_stop_after_the_server_was_killed_stops_its_engine(engines):
+    server = engines["launched"]
+    server.wait_ready(timeout_s=300)
     pgid = server.process.pid
-    try:
-        assert len(_group(pgid)) >= 3
-        os.kill(pgid, signal.SIGKILL)  # the server alone; its engine processes are reparented
-        server.process.wait(timeout=10)
-        server.stop()
-        assert _wait_group_gone(pgid) == []
-    finally:
-        _kill_group(pgid)
+    assert len(_group(pgid)) >= 3
+    os.kill(pgid, signal.SIGKILL)  # the server alone; its engine processes are reparented
+    server.process.wait(timeout=10)
+    server.stop()
+    assert _wait_group_gone(pgid) == []
 
 
 ENGINE_SCRIPT = """
@@ -125,17 +142,12 @@ if __name__ == "__main__":  # vLLM spawns its engine processes
 """
 
 
-def test_an_engine_error_fails_its_call_and_the_next_call_is_served(tiny_tied, tmp_path):
+def test_an_engine_error_fails_its_call_and_the_next_call_is_served(engines):
     # The wedge below the server's validation: vLLM added the n=2 request's first sample, could not send the
     # second (its seed, 2**64, overflows msgpack), and LLM.generate's next call waited for the first forever.
-    (tmp_path / "engine_script.py").write_text(ENGINE_SCRIPT)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **MULTIPROCESS}  # the wedge was in its msgpack path
-    process = subprocess.Popen([sys.executable, str(tmp_path / "engine_script.py"), str(tiny_tied)], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=400)  # the old code hangs here
-    finally:
-        _kill_group(process.pid)
+    process, out, err = engines["script"]
+    process.wait(timeout=400)  # the old code hangs in there
+    stdout, stderr = out.read_text(), err.read_text()
     assert "SAME AS LLM.generate True" in stdout, stderr[-3000:]  # step by step, outputs as before
     assert "FAILED OverflowError" in stdout, stderr[-3000:]
     assert "SERVED 2 samples" in stdout, stderr[-3000:]
