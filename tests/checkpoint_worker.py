@@ -2,9 +2,11 @@
 
     python tests/checkpoint_worker.py save RUN_DIR --step 2 [--no-space-check]
     deepspeed --num_gpus 2 tests/checkpoint_worker.py resume RUN_DIR OUT_DIR
+    deepspeed --num_gpus 2 tests/checkpoint_worker.py save RUN_DIR OUT_DIR --step 2   # save, then resume
 
 RUN_DIR may contain "{rank}": each rank then has its own run directory, as nodes with node-local disks do.
-`resume` writes OUT_DIR/rank<r>.json: the step it resumes at and its first parameter's sum.
+`resume` writes OUT_DIR/rank<r>.json: the step it resumes at and its first parameter's sum. `save` with an OUT_DIR
+then resumes as `resume` does, into a fresh engine on other initial weights (one DeepSpeed launch, not two).
 `--no-space-check` is a fake for the one fault the tests cannot cause otherwise: a disk that fills up after the
 free-space check passed (it makes the check see no need for space). tests/test_checkpoint.py runs this.
 """
@@ -35,15 +37,16 @@ def main():
     dist = init_distributed(120.0)  # a rank that hangs fails the test within minutes, not hours
     run_dir = Path(args.run_dir.format(rank=dist.rank))
     tokenizer = build_tokenizer()
-    engine = build_engine(build_model(tokenizer, seed=args.step).train(), cfg, dist)
     if args.mode == "save":  # one optimiser step: Adam's moments exist and are saved, as in training
+        engine = build_engine(build_model(tokenizer, seed=args.step).train(), cfg, dist)
         engine.backward(engine(torch.tensor([[5, 6, 7, 8]])).logits.float().pow(2).mean())
         engine.step()
         if args.no_space_check:
             checkpoint.checkpoint_bytes = lambda *a, **k: 0
         checkpoint.save_checkpoint(engine, run_dir, args.step, {"sampler": {"epoch": 0, "position": args.step}},
                                    tokenizer, dist.rank, keep_last=2)
-    else:
+    if args.out_dir is not None:
+        engine = build_engine(build_model(tokenizer, seed=args.step + 1).train(), cfg, dist)
         state = checkpoint.resume(engine, run_dir, "auto", dist.rank)
         first = next(engine.module.parameters())
         out = Path(args.out_dir)

@@ -76,8 +76,7 @@ def test_full_disk_fails_with_the_path_and_keeps_earlier_checkpoints(small_disk)
 @pytest.mark.slow
 def test_rank_zero_decides_the_resume_checkpoint(tmp_path):
     shared = tmp_path / "shared"
-    ok(run_worker("save", shared, "--step", "2", ranks=2))
-    ok(run_worker("resume", shared, tmp_path / "out_shared", ranks=2))
+    ok(run_worker("save", shared, tmp_path / "out_shared", "--step", "2", ranks=2))  # and resume
     ranks = [json.loads((tmp_path / "out_shared" / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["step"] for r in ranks] == [2, 2] and ranks[0]["param_sum"] == ranks[1]["param_sum"]
 
