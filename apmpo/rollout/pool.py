@@ -16,11 +16,11 @@ The server seeds prompt i of a request with `seed + i * n`; a chunk starting at 
 `seed + start * n`, so every prompt gets the seed it would get in one request to one server: the samples do
 not depend on which server drew them, nor on how many there are.
 
-Weights: one weight group holds the learner and every engine worker of every server (client.WeightSender), so
-each bucket is broadcast once for all (shm or gloo on CPU, NCCL on GPU); a LoRA adapter travels the same way. Servers that reach this machine at
-different addresses (other networks) cannot share a group: each keeps its own, and the pushes run in parallel,
-a thread per server. A push that fails on any server, or servers that then report different weight versions (one
-was restarted), raise ServerError naming the servers.
+Weights (and a LoRA adapter's tensors, push_adapter): one weight group holds the learner and every engine worker
+of every server (client.WeightSender), so each bucket is broadcast once for all (shm or gloo on CPU, NCCL on GPU).
+Servers that reach this machine at different addresses (other networks) cannot share a group: each keeps its own,
+and the pushes run in parallel, a thread per server. A push that fails on any server, or servers that then report
+different weight versions (one was restarted), raise ServerError naming the servers.
 """
 from __future__ import annotations
 

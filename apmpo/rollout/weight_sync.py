@@ -649,7 +649,8 @@ class WeightReceiverExtension:
                 group.give_up(f"engine worker {self.rank} gave up the adapter push: {error!r}")
             raise
         waited = time.perf_counter() - start
-        non_finite = next((name for name, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()), None)
+        non_finite = next((name for name, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()),
+                          None)
         if non_finite is not None:
             raise NonFiniteWeights(f"adapter tensor {non_finite!r} holds NaN or infinite values")
         if self.rank == 0:  # every worker of the engine receives the push; one file is enough
