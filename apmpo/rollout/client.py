@@ -4,7 +4,8 @@
     client.wait_ready(timeout_s=300)
     outs = client.generate(prompts, Sampling(max_tokens=512), n=8, seed=0)  # outs[prompt][sample]
     version = client.push_weights(model.named_parameters())
-    version = client.load_adapter("/dev/shm/adapter")     # a LoRA server (--enable-lora): a PEFT adapter folder
+    version = client.push_adapter(adapter_tensors, adapter_config)   # a LoRA server (--enable-lora): an adapter alone
+    version = client.load_adapter("/dev/shm/adapter")     # or a PEFT adapter folder the server reads itself
     client.close()
 
 Every call has a timeout, connection errors are retried a bounded number of times, and a server that stays
@@ -62,7 +63,7 @@ class Sample:
 @dataclass(frozen=True)
 class PushReport:
     """What the last weight push took: GenerationClient.last_push, ServerPool.last_push."""
-    transport: str  # shm | gloo | nccl | cuda_ipc, or folder (a LoRA adapter the server read); a pool's: its servers'
+    transport: str  # shm | gloo | nccl | cuda_ipc, or folder (load_adapter: the server read it); a pool's: its servers'
     in_place: bool  # shm after the first push: written into the segment the workers map, loaded in one request
     bytes: int  # sent to each server
     seconds: float  # the whole push, as the learner waited for it
@@ -185,10 +186,20 @@ class GenerationClient:
         self.last_push = self._sender.last_push
         return update["weight_version"]
 
+    def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any]) -> int:
+        """Sends a LoRA adapter alone to a server started with --enable-lora, through the weight group as
+        push_weights sends weights; the server loads it as the next weight version (policy-v<version>) and
+        returns it. `named_tensors`: the adapter's tensors under the names PEFT's save_pretrained gives them in
+        adapter_model.safetensors (apmpo.learner.lora.adapter_tensors); `config`: its adapter_config.json as a
+        dict. Floating tensors are cast to the engine's dtype, as vLLM casts an adapter it loads."""
+        (update,) = self._sender.push(named_tensors, adapter=config)
+        self.last_push = self._sender.last_push
+        return update["weight_version"]
+
     def load_adapter(self, path: str | os.PathLike) -> int:
         """Loads the PEFT adapter folder `path`, which the server reads itself (this machine, or a filesystem both
         share), as the next weight version; returns it. Generation pauses meanwhile. last_push.bytes counts the
-        adapter's tensor bytes."""
+        adapter's tensor bytes. For an adapter written by hand; a learner's goes by push_adapter."""
         info = self._info or self.info()
         start = time.perf_counter()
         update = self._request("POST", "/lora/load", json={"path": os.fspath(path)},
@@ -238,7 +249,7 @@ class WeightSender:
         first = self.clients[0]
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if not named:
-            raise ValueError("push_weights got no tensors")
+            raise ValueError("a push got no tensors")
         refuse_non_finite(named)
         engine_dtype = getattr(torch, (first._info or first.info())["dtype"])
         buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
@@ -275,15 +286,19 @@ class WeightSender:
                               f"{error!r}") from error
         return self.group
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+             adapter: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Sends HF-named tensors to every server, each bucket once; returns each server's update response
-        (weight_version, reload_s, wait_s). Any failure drops the group: the next push builds a fresh one."""
+        (weight_version, reload_s, wait_s). Any failure drops the group: the next push builds a fresh one.
+        `adapter`: the tensors are a LoRA adapter's and this its config (GenerationClient.push_adapter)."""
         tensors, buckets = self._plan(named_tensors)
         start = time.perf_counter()
         nbytes = sum(b.nbytes for b in buckets)
         group = self.group or self._join(tensors[0].device, nbytes)
-        declared = [{"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
-                                                      "offset": t.offset} for t in b.tensors]} for b in buckets]
+        declared = {"buckets": [{"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype,
+                                                                  "shape": list(t.shape), "offset": t.offset}
+                                                                 for t in b.tensors]} for b in buckets],
+                    **({} if adapter is None else {"adapter": adapter})}
         sync_timeout_s = self.clients[0].sync_timeout_s
         behind_a_generate_s = max((c._info or c.info())["limits"]["generate_timeout_s"] for c in self.clients) \
             + sync_timeout_s
@@ -297,7 +312,7 @@ class WeightSender:
             except Exception:
                 self.close()
                 raise
-            loads = self._each("POST", "/weights/load", json={"segment": group.segment_path, "buckets": declared},
+            loads = self._each("POST", "/weights/load", json={"segment": group.segment_path, **declared},
                                timeout_s=behind_a_generate_s + 60)
             failed = [r for r in loads if isinstance(r, BaseException)]
             if failed:
@@ -310,11 +325,11 @@ class WeightSender:
                 updates = loads
         if updates is None:
             error: BaseException | None = None
-            not_begun = _failures(self.clients, self._each("POST", "/weights/begin", json={"buckets": declared},
-                                                           timeout_s=behind_a_generate_s))
+            begun = self._each("POST", "/weights/begin", json=declared, timeout_s=behind_a_generate_s)
             try:
-                if not_begun:
-                    raise ServerError(f"weight update not begun on {', '.join(not_begun)}")
+                if _failures(self.clients, begun):
+                    raise ServerError(f"weight update not begun on {', '.join(_failures(self.clients, begun))}",
+                                      _common_status(begun))
                 send_buckets(group, buckets, tensors)
             except Exception as caught:  # noqa: BLE001 (raised below, after the servers' own reports)
                 group.give_up(f"the learner gave up the push: {type(caught).__name__}: {caught}")  # heard at once
@@ -355,6 +370,12 @@ def _host(url: str) -> str:
 def _failures(clients: list[GenerationClient], results: list[Any]) -> list[str]:
     """'url: error' for each server whose request raised."""
     return [f"{client.url}: {result}" for client, result in zip(clients, results) if isinstance(result, BaseException)]
+
+
+def _common_status(results: list[Any]) -> int | None:
+    """The HTTP status every failed request answered with, if they agree (a 400 or 409 refusal), else None."""
+    statuses = {getattr(result, "status", None) for result in results if isinstance(result, BaseException)}
+    return statuses.pop() if len(statuses) == 1 else None
 
 
 def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:

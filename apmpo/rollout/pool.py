@@ -3,7 +3,8 @@
     pool = ServerPool([GenerationClient(url) for url in urls])     # or launcher.serve(..., devices="4;5").client()
     outs = pool.generate(prompts, sampling, n=8, seed=s)            # outs[prompt][sample], in prompt order
     version = pool.push_weights(model.named_parameters())           # to every server at once, same version
-    version = pool.load_adapter(folder)                              # LoRA servers: an adapter, the same way
+    version = pool.push_adapter(adapter_tensors, adapter_config)     # LoRA servers: an adapter, the same way
+    version = pool.load_adapter(folder)                              # or an adapter folder each server reads
 
 Generation: the prompts are cut into one contiguous chunk per server, of sizes that differ by at most one (all n
 samples of a prompt stay in one chunk), and every server gets its chunk at once, as OpenRLHF and verl deal
@@ -15,11 +16,11 @@ The server seeds prompt i of a request with `seed + i * n`; a chunk starting at 
 `seed + start * n`, so every prompt gets the seed it would get in one request to one server: the samples do
 not depend on which server drew them, nor on how many there are.
 
-Weights: one weight group holds the learner and every engine worker of every server (client.WeightSender), so
-each bucket is broadcast once for all (shm or gloo on CPU, NCCL on GPU). Servers that reach this machine at
-different addresses (other networks) cannot share a group: each keeps its own, and the pushes run in parallel,
-a thread per server. A push that fails on any server, or servers that then report different weight versions (one
-was restarted), raise ServerError naming the servers.
+Weights (and a LoRA adapter's tensors, push_adapter): one weight group holds the learner and every engine worker
+of every server (client.WeightSender), so each bucket is broadcast once for all (shm or gloo on CPU, NCCL on GPU).
+Servers that reach this machine at different addresses (other networks) cannot share a group: each keeps its own,
+and the pushes run in parallel, a thread per server. A push that fails on any server, or servers that then report
+different weight versions (one was restarted), raise ServerError naming the servers.
 """
 from __future__ import annotations
 
@@ -85,12 +86,21 @@ class ServerPool:
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Pushes to every server, through the one group or in parallel; returns the weight version, the same on
         all."""
+        return self._push(named_tensors, adapter=None)
+
+    def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any]) -> int:
+        """As GenerationClient.push_adapter, to every server as push_weights pushes; returns the version, the same
+        on all."""
+        return self._push(named_tensors, adapter=config)
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, Any] | None) -> int:
         named = [(name, tensor.detach()) for name, tensor in named_tensors]  # read by every thread
         start = time.perf_counter()
         if self.sender is None:
-            return self._to_all(lambda client: client.push_weights(named), start)
+            return self._to_all(lambda client: client.push_weights(named) if adapter is None
+                                else client.push_adapter(named, adapter), start)
         try:
-            updates = self.sender.push(named)
+            updates = self.sender.push(named, adapter=adapter)
         except Exception as error:  # noqa: BLE001 (named as the per-server path names it)
             raise ServerError(f"weight push failed on the weight group of all {len(self.clients)} generation "
                               f"servers ({', '.join(c.url for c in self.clients)}): {error}") from error

@@ -11,6 +11,8 @@ Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token
     POST /weights/finish  wait for the load, reset the prefix cache, bump the weight version, resume
     POST /weights/load    shm, once the workers map the learner's segment: the learner has written the whole
                           update into it, so the server loads it as begin + finish would, in one request
+                          (begin and load with `adapter`, --enable-lora: the buckets are a LoRA adapter's tensors,
+                          loaded as /lora/load loads a folder)
     POST /lora/load       --enable-lora: a PEFT adapter folder (on this machine) becomes the next weight version,
                           named policy-v<version>; later generations use it on top of the served model
     POST /shutdown
@@ -18,7 +20,9 @@ Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token
 A push is checked against the served model before anything is loaded (every parameter, by its HF name, shape and
 the engine's dtype: 400 naming the first bad tensor). An update that fails once its load has begun (the learner gave
 up, non-finite values, an engine error) leaves a mix of old and new weights: /health, /ready and /generate answer
-503 until a complete push succeeds.
+503 until a complete push succeeds. An adapter's push is checked likewise (its layers, shapes for its rank, dtype);
+its tensors are received apart from the model, written to a folder of the server's own and loaded from there, so
+a failed one changes nothing.
 
 The engine is not thread-safe and an update must not interleave with generation, so one lock serialises
 engine access. An update holds it from /weights/begin until its load ends (success, failure or timeout), in a
@@ -37,11 +41,14 @@ if __name__ == "__main__":
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -55,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
 from apmpo.rollout.sampling import Sampling, check_sampling
-from apmpo.rollout.weight_sync import BadPush, Bucket, ExpectedWeights, Transport, sweep_orphan_segments
+from apmpo.rollout.weight_sync import SHM_DIR, BadPush, Bucket, ExpectedWeights, Transport, sweep_orphan_segments
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
 # and they load vLLM's Qwen2-VL code too.
@@ -157,6 +164,9 @@ class BucketModel(_Strict):
 
 class BeginUpdateRequest(_Strict):
     buckets: list[BucketModel]
+    # --enable-lora: the buckets hold a LoRA adapter's tensors (as adapter_model.safetensors names them), and this
+    # is its adapter_config.json; the server loads them as the next adapter version, not into the model.
+    adapter: dict[str, Any] | None = None
 
 
 class LoadUpdateRequest(BeginUpdateRequest):
@@ -377,13 +387,19 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
             engine_lock.release()
         return {"status": "ok"}
 
-    def run_update(buckets: list[dict], locked: threading.Event, in_place: str | None = None) -> WeightUpdateResponse:
+    def refuse_unmapped_segment(buckets: list[dict], in_place: str | None) -> None:
+        if in_place is not None and not all(compat.collective_rpc(
+                llm, "apmpo_maps_segment", rpc_timeout_s=60, path=in_place, nbytes=sum(b["nbytes"] for b in buckets))):
+            raise HTTPException(409, f"the engine does not map the shared segment {in_place} (another client's "
+                                     "group replaced it): push through /weights/begin")
+
+    def run_update(buckets: list[dict], locked: threading.Event, in_place: str | None = None,
+                   adapter: dict[str, Any] | None = None) -> WeightUpdateResponse:
+        if adapter is not None:
+            return run_adapter_update(buckets, adapter, locked, in_place)
         with engine_lock:
             locked.set()
-            if in_place is not None and not all(compat.collective_rpc(
-                    llm, "apmpo_maps_segment", rpc_timeout_s=60, path=in_place, nbytes=sum(b["nbytes"] for b in buckets))):
-                raise HTTPException(409, f"the engine does not map the shared segment {in_place} (another client's "
-                                         "group replaced it): push through /weights/begin")
+            refuse_unmapped_segment(buckets, in_place)
             try:
                 timings = compat.collective_rpc(llm, "apmpo_receive_weights", rpc_timeout_s=limits.update_timeout_s,
                                                 buckets=buckets, in_place=in_place)
@@ -401,12 +417,45 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
             state["lora"] = None  # the weights are the whole policy now: no adapter on top
             return WeightUpdateResponse(weight_version=state["version"], **max(timings, key=lambda t: t["reload_s"]))
 
+    def run_adapter_update(buckets: list[dict], config: dict[str, Any], locked: threading.Event,
+                           in_place: str | None) -> WeightUpdateResponse:
+        """The workers receive the adapter's tensors apart from the model and write them to a folder of ours, with
+        `config` beside them; that folder is loaded as /lora/load loads one, then removed (vLLM keeps what it
+        loaded). Nothing the engine serves changes before that load, so a failure leaves the served version."""
+        with engine_lock:
+            locked.set()
+            refuse_unmapped_segment(buckets, in_place)
+            folder = tempfile.mkdtemp(prefix="apmpo-adapter-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
+            try:
+                try:
+                    timings = compat.collective_rpc(llm, "apmpo_receive_adapter", rpc_timeout_s=limits.update_timeout_s,
+                                                    buckets=buckets, folder=folder, in_place=in_place)
+                except Exception as error:
+                    log.exception("adapter push failed")
+                    raise HTTPException(500, f"the adapter push failed before its load, nothing changed: "
+                                             f"{error!r}") from None
+                with open(os.path.join(folder, "adapter_config.json"), "w") as handle:
+                    json.dump(config, handle)
+                loaded = load_adapter_version(folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        received = max(timings, key=lambda t: t["reload_s"])
+        return WeightUpdateResponse(weight_version=loaded.weight_version, wait_s=received["wait_s"],
+                                    reload_s=received["reload_s"] + loaded.reload_s)
+
     def check_push(req: BeginUpdateRequest) -> None:
-        """Before anything is loaded: a group to receive through, and tensors that fit the model."""
+        """Before anything is received: a server that can take it, a group to receive through, and tensors that fit
+        the model (or, for an adapter, its layers)."""
+        if req.adapter is not None:
+            refuse_without_lora()
         if state["group"] is None:
             raise HTTPException(409, "no weight group: POST /weights/init first")
+        buckets = [Bucket.from_json(bucket) for bucket in req.model_dump()["buckets"]]
         try:
-            expected.check([Bucket.from_json(bucket) for bucket in req.model_dump()["buckets"]])
+            if req.adapter is None:
+                expected.check(buckets)
+            else:
+                expected.check_adapter(buckets, req.adapter, engine["max_lora_rank"])
         except BadPush as error:
             raise HTTPException(400, f"push refused, nothing loaded: {error}") from None
 
@@ -420,7 +469,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
 
         def update() -> WeightUpdateResponse:
             try:
-                return run_update(req.model_dump()["buckets"], locked)
+                return run_update(req.model_dump()["buckets"], locked, adapter=req.adapter)
             except BaseException:  # reported by /weights/finish
                 log.exception("weight update failed")
                 locked.set()
@@ -442,6 +491,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
             return future.result(timeout=limits.update_timeout_s + 30)
         except TimeoutError:
             raise HTTPException(504, "weight update still running") from None
+        except HTTPException:  # says itself what it left behind (an adapter's: nothing)
+            raise
         except Exception as error:
             raise HTTPException(500, f"weight update failed after its load began; the server generates nothing until a "
                                      f"complete push: {error!r}") from None
@@ -455,7 +506,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
         # in the request itself: a learner that dies meanwhile cannot wedge it. It waits behind a generate.
         check_push(req)
         try:  # behind a begun update too: it holds the engine lock until its load ends
-            return run_update(req.model_dump()["buckets"], threading.Event(), in_place=req.segment)
+            return run_update(req.model_dump()["buckets"], threading.Event(), in_place=req.segment,
+                              adapter=req.adapter)
         except HTTPException:
             raise
         except Exception as error:
@@ -468,29 +520,37 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
         """The adapter in `req.path` as the next weight version. No prefix-cache reset: vLLM's block hashes include
         the adapter's name, so no version reuses another's KV. Adapters older than the newest --lora-versions are
         unloaded."""
-        if engine["max_lora_rank"] is None:
-            raise HTTPException(409, "this server was started without --enable-lora: it cannot load adapters")
+        refuse_without_lora()
         if not os.path.isfile(os.path.join(req.path, "adapter_config.json")):
             raise HTTPException(400, f"{req.path} holds no adapter_config.json: not a PEFT adapter folder on this "
                                      "machine (the server reads the path itself)")
         if not engine_lock.acquire(timeout=limits.generate_timeout_s + limits.update_timeout_s):
             raise HTTPException(503, "generation did not drain in time")
         try:
-            start = time.monotonic()
-            version = state["version"] + 1
-            try:
-                adapter = compat.add_adapter(llm, f"policy-v{version}", version, req.path)
-            except Exception as error:  # nothing changed: the served version stays
-                log.exception("adapter load failed")
-                raise HTTPException(500, f"loading the adapter in {req.path} failed: {error!r}") from None
-            state["adapters"].append(adapter)
-            for old in state["adapters"][:-lora_versions]:
-                compat.remove_adapter(llm, old)
-            state["adapters"] = state["adapters"][-lora_versions:]
-            state["version"], state["lora"] = version, adapter
-            return WeightUpdateResponse(weight_version=version, reload_s=time.monotonic() - start, wait_s=0.0)
+            return load_adapter_version(req.path)
         finally:
             engine_lock.release()
+
+    def refuse_without_lora() -> None:
+        if engine["max_lora_rank"] is None:
+            raise HTTPException(409, "this server was started without --enable-lora: it cannot load adapters")
+
+    def load_adapter_version(path: str) -> WeightUpdateResponse:
+        """Under the engine lock: the adapter folder `path` as the next version; the oldest beyond --lora-versions
+        are unloaded. A failed load changes nothing: the served version stays."""
+        start = time.monotonic()
+        version = state["version"] + 1
+        try:
+            adapter = compat.add_adapter(llm, f"policy-v{version}", version, path)
+        except Exception as error:
+            log.exception("adapter load failed")
+            raise HTTPException(500, f"loading the adapter in {path} failed: {error!r}") from None
+        state["adapters"].append(adapter)
+        for old in state["adapters"][:-lora_versions]:
+            compat.remove_adapter(llm, old)
+        state["adapters"] = state["adapters"][-lora_versions:]
+        state["version"], state["lora"] = version, adapter
+        return WeightUpdateResponse(weight_version=version, reload_s=time.monotonic() - start, wait_s=0.0)
 
     @app.post("/shutdown", dependencies=auth)
     def shutdown() -> dict[str, str]:

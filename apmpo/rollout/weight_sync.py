@@ -30,6 +30,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,6 +49,11 @@ SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "apmpo-weights-"  # + "<the learner's pid>-<a unique id>"
 ABORT_KEY = "apmpo/abort"  # in the group's store: a rank gave up the push in flight (WeightGroup.give_up)
 ABORT_POLL_S = 0.05  # how often a waiting worker asks the store for ABORT_KEY
+# A LoRA adapter's tensors, named as PEFT's save_pretrained writes them into adapter_model.safetensors (what
+# vLLM reads): the layer's name in the HF model under ADAPTER_PREFIX, then which half of the update B A.
+ADAPTER_PREFIX = "base_model.model."
+ADAPTER_TENSOR = re.compile(re.escape(ADAPTER_PREFIX) + r"(.+)\.lora_([AB])\.weight")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -112,28 +118,69 @@ class ExpectedWeights:
         """Raises BadPush naming the first tensor that does not belong in a full push of this model, or the first
         parameter it lacks."""
         seen: set[str] = set()
-        for bucket in buckets:
-            for spec in bucket.tensors:
-                name = spec.name
-                if name in seen:
-                    raise BadPush(f"tensor {name!r} is declared twice")
-                seen.add(name)
-                if name not in self.shapes:
-                    near = difflib.get_close_matches(name, list(self.shapes), n=1)
-                    raise BadPush(f"tensor {name!r} is not a parameter of the served model"
-                                  + (f" (did you mean {near[0]!r}?)" if near else ""))
-                if tuple(spec.shape) != self.shapes[name]:
-                    raise BadPush(f"tensor {name!r} has shape {list(spec.shape)}; the served model's is "
-                                  f"{list(self.shapes[name])}")
-                if spec.dtype != self.dtype:
-                    raise BadPush(f"tensor {name!r} has dtype {spec.dtype}; the engine's is {self.dtype}")
-                if spec.offset + spec.nbytes > bucket.nbytes:
-                    raise BadPush(f"tensor {name!r} ends past its bucket's {bucket.nbytes} bytes")
+        for spec in self._declared(buckets):
+            name = spec.name
+            seen.add(name)
+            if name not in self.shapes:
+                near = difflib.get_close_matches(name, list(self.shapes), n=1)
+                raise BadPush(f"tensor {name!r} is not a parameter of the served model"
+                              + (f" (did you mean {near[0]!r}?)" if near else ""))
+            if tuple(spec.shape) != self.shapes[name]:
+                raise BadPush(f"tensor {name!r} has shape {list(spec.shape)}; the served model's is "
+                              f"{list(self.shapes[name])}")
         missing = [name for name in self.shapes if name not in seen and name not in self.optional]
         if missing:
             raise BadPush(f"a partial push: {len(missing)} of the served model's "
                           f"{len(self.shapes) - len(self.optional)} parameters are missing, the first {missing[0]!r}; "
                           "a push must hold every parameter")
+
+    def check_adapter(self, buckets: list[Bucket], config: dict, max_rank: int) -> None:
+        """Raises BadPush naming the first tensor that does not belong in a LoRA adapter of this model with
+        `config` (adapter_config.json as a dict), as PEFT's save_pretrained writes one: each tensor is
+        `base_model.model.<layer>.lora_A.weight` [r, in] or `.lora_B.weight` [out, r] of a 2-D weight
+        `<layer>.weight` [out, in] of the served model, r is the config's, and every layer has both."""
+        rank = config.get("r")
+        if not isinstance(rank, int) or not 1 <= rank <= max_rank:
+            raise BadPush(f"the adapter's rank r={rank!r} must be an integer in [1, {max_rank}] (the server's "
+                          "--max-lora-rank)")
+        if config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise BadPush("an adapter with a rank_pattern or alpha_pattern is not checked here: load its folder "
+                          "(POST /lora/load)")
+        halves: dict[str, set[str]] = {}
+        for spec in self._declared(buckets):
+            match = ADAPTER_TENSOR.fullmatch(spec.name)
+            weight = self.shapes.get(f"{match[1]}.weight") if match else None
+            if weight is None or len(weight) != 2:
+                raise BadPush(f"tensor {spec.name!r} is not a LoRA tensor of the served model (expected "
+                              f"'{ADAPTER_PREFIX}<a linear layer>.lora_A.weight' or '.lora_B.weight')")
+            out_features, in_features = weight
+            shape = (rank, in_features) if match[2] == "A" else (out_features, rank)
+            if tuple(spec.shape) != shape:
+                raise BadPush(f"tensor {spec.name!r} has shape {list(spec.shape)}; with r={rank} it must be "
+                              f"{list(shape)}")
+            halves.setdefault(match[1], set()).add(match[2])
+        if not halves:
+            raise BadPush("an adapter push holds no tensors")
+        lacking = next((layer for layer, found in halves.items() if found != {"A", "B"}), None)
+        if lacking is not None:
+            half = "B" if "A" in halves[lacking] else "A"
+            raise BadPush(f"'{ADAPTER_PREFIX}{lacking}.lora_{half}.weight' is missing: the adapter's layers need "
+                          "both halves")
+
+    def _declared(self, buckets: list[Bucket]) -> Iterator[TensorSpec]:
+        """Every declared tensor, after the checks that any push passes: declared once, in the engine's dtype,
+        inside its bucket."""
+        seen: set[str] = set()
+        for bucket in buckets:
+            for spec in bucket.tensors:
+                if spec.name in seen:
+                    raise BadPush(f"tensor {spec.name!r} is declared twice")
+                seen.add(spec.name)
+                if spec.dtype != self.dtype:
+                    raise BadPush(f"tensor {spec.name!r} has dtype {spec.dtype}; the engine's is {self.dtype}")
+                if spec.offset + spec.nbytes > bucket.nbytes:
+                    raise BadPush(f"tensor {spec.name!r} ends past its bucket's {bucket.nbytes} bytes")
+                yield spec
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -531,11 +578,9 @@ class WeightReceiverExtension:
         """Receives and loads one update (`in_place`: already in that shm segment, see receive_buckets); returns
         the seconds in vLLM's reload, and how many of them were spent waiting for bytes (the rest is the engine's
         own loading, a floor no transport can lower)."""
-        group = getattr(self, "_apmpo_group", None)
-        if group is None:
-            raise RuntimeError("no weight group: call init first")
+        group = self._apmpo_joined_group()
         plan = [Bucket.from_json(b) for b in buckets]
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = _worker_device()
         names = {t.name for b in plan for t in b.tensors}
         model_config = self.model_runner.model_config  # a vision-language model sets the tie on its top config
         tied = any(getattr(c, "tie_word_embeddings", False)
@@ -586,3 +631,42 @@ class WeightReceiverExtension:
         if non_finite:  # loaded all the same, so that the group stays in step; the server refuses to generate
             raise NonFiniteWeights(f"tensor {non_finite[0]!r} holds NaN or infinite values")
         return {"reload_s": seconds, "wait_s": waited}
+
+    def apmpo_receive_adapter(self, buckets: list[dict], folder: str, in_place: str | None = None) -> dict[str, float]:
+        """Receives a LoRA adapter's tensors (`in_place`: as apmpo_receive_weights) into CPU tensors of their own,
+        not into the model, and worker 0 writes them to `folder`/adapter_model.safetensors for the server to load
+        as an adapter. A failure leaves the served model as it was. Returns the seconds it took, and how many of
+        them were spent waiting for bytes."""
+        group = self._apmpo_joined_group()
+        start = time.perf_counter()
+        try:
+            # Copies: the received views share one buffer (the shm segment, which the next push overwrites), and
+            # safetensors refuses to save tensors that share memory.
+            tensors = {name: tensor.to("cpu", copy=True) for name, tensor in
+                       receive_buckets(group, [Bucket.from_json(b) for b in buckets], _worker_device(), in_place)}
+        except Exception as error:
+            if not group.abandoned:  # the learner must not wait for this worker's part of the push any longer
+                group.give_up(f"engine worker {self.rank} gave up the adapter push: {error!r}")
+            raise
+        waited = time.perf_counter() - start
+        non_finite = next((name for name, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()),
+                          None)
+        if non_finite is not None:
+            raise NonFiniteWeights(f"adapter tensor {non_finite!r} holds NaN or infinite values")
+        if self.rank == 0:  # every worker of the engine receives the push; one file is enough
+            from safetensors.torch import save_file
+
+            save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})  # as PEFT's
+        logger.info("apmpo: received %d adapter tensors in %.3f s", len(tensors), waited)
+        return {"reload_s": time.perf_counter() - start, "wait_s": waited}
+
+    def _apmpo_joined_group(self) -> WeightGroup:
+        group = getattr(self, "_apmpo_group", None)
+        if group is None:
+            raise RuntimeError("no weight group: call init first")
+        return group
+
+
+def _worker_device() -> torch.device:
+    """Where an engine worker receives NCCL and CUDA IPC buckets: its GPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
