@@ -11,7 +11,7 @@ import torch
 
 from apmpo.config import ConfigError, CorrectionConfig, load_config
 from apmpo.envs import get_env
-from apmpo.envs.calculator import CalculatorEnv, calculate, tool_reply
+from apmpo.envs.calculator import EXAMPLE, CalculatorEnv, calculate, tool_reply
 from apmpo.envs.chat import TemplateError, Transcript
 from apmpo.envs.episodes import _check_step
 from apmpo.envs.reveal import RevealEnv
@@ -149,7 +149,11 @@ def test_calculator_env_answers_calls_then_scores_the_final_answer():
     sample = {"question": "Tom has 3 bags of 4 apples and buys 2 more. How many?", "answer": "14"}
     first = env.reset(sample)
     assert first[0]["role"] == "system" and "<calc>" in first[0]["content"]
-    assert first[1:] == [{"role": "user", "content": sample["question"]}]
+    # the worked example (chat turns in the tool's format: without it SmolLM2-135M never calls the tool), then the
+    # question; the sample's own system prompt is replaced
+    assert first[1:-1] == list(EXAMPLE) and first[-1] == {"role": "user", "content": sample["question"]}
+    assert "<calc>" in EXAMPLE[1]["content"] and tool_reply(EXAMPLE[1]["content"]) == EXAMPLE[2]["content"]
+    assert "\\boxed{7}" in EXAMPLE[3]["content"] and tool_reply(EXAMPLE[3]["content"]) is None
     assert env.step("Let me compute <calc>3*4+2</calc> and <calc>7/2</calc> and <calc>1/0</calc>") == (
         "<result>14</result>\n<result>3.5</result>\n<result>error: division by zero</result>", None, False)
     assert env.step("So \\boxed{14}.") == ("", 1.0, True)
