@@ -4,6 +4,7 @@ collate and the log-probs, exactly zero gradient on environment tokens in every 
 The episodes themselves, on a real server: tests/test_envs_server.py."""
 import math
 import re
+from types import SimpleNamespace
 from fractions import Fraction
 
 import pytest
@@ -11,15 +12,16 @@ import torch
 
 from apmpo.config import ConfigError, CorrectionConfig, load_config
 from apmpo.envs import get_env
-from apmpo.envs.calculator import CalculatorEnv, calculate, tool_reply
+from apmpo.envs.calculator import EXAMPLE, CalculatorEnv, calculate, tool_reply
 from apmpo.envs.chat import TemplateError, Transcript
-from apmpo.envs.episodes import _check_step
+from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner, _check_step
 from apmpo.envs.reveal import RevealEnv
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.logprobs import token_logprobs
 from apmpo.learner.update import importance_weights
 from apmpo.loss import POLICY_LOSSES, LossConfig, adaptive_params, policy_loss
 from apmpo.quickstart import build_tokenizer as quickstart_tokenizer
+from apmpo.rollout.sampling import Sampling
 from apmpo.tiny import build_model, build_tokenizer
 
 
@@ -149,7 +151,11 @@ def test_calculator_env_answers_calls_then_scores_the_final_answer():
     sample = {"question": "Tom has 3 bags of 4 apples and buys 2 more. How many?", "answer": "14"}
     first = env.reset(sample)
     assert first[0]["role"] == "system" and "<calc>" in first[0]["content"]
-    assert first[1:] == [{"role": "user", "content": sample["question"]}]
+    # the worked example (chat turns in the tool's format: without it SmolLM2-135M never calls the tool), then the
+    # question; the sample's own system prompt is replaced
+    assert first[1:-1] == list(EXAMPLE) and first[-1] == {"role": "user", "content": sample["question"]}
+    assert "<calc>" in EXAMPLE[1]["content"] and tool_reply(EXAMPLE[1]["content"]) == EXAMPLE[2]["content"]
+    assert "\\boxed{7}" in EXAMPLE[3]["content"] and tool_reply(EXAMPLE[3]["content"]) is None
     assert env.step("Let me compute <calc>3*4+2</calc> and <calc>7/2</calc> and <calc>1/0</calc>") == (
         "<result>14</result>\n<result>3.5</result>\n<result>error: division by zero</result>", None, False)
     assert env.step("So \\boxed{14}.") == ("", 1.0, True)
@@ -171,6 +177,49 @@ def test_calculator_result_too_large_for_a_float_is_an_error_message():
 def test_malformed_step_results_are_rejected(value, message):
     with pytest.raises((TypeError, ValueError), match=message):
         _check_step(value)
+
+
+class _EndsAtOnce:
+    """Ends every episode at its first turn with reward 1, as the calculator scores a turn without a call."""
+
+    def reset(self, sample):
+        return "start"
+
+    def step(self, action):
+        return "", 1.0, True
+
+
+class _ScriptedClient:
+    """Answers each prompt of a request with the next scripted (token ids, finish reason) of its episode."""
+
+    def __init__(self, script):
+        self.script, self.turn = script, 0
+
+    def generate(self, prompts, sampling, n, seeds):
+        outs = [[SimpleNamespace(token_ids=ids, logprobs=[-0.5] * len(ids), weight_version=0, finish_reason=reason)]
+                for ids, reason in self.script[self.turn][:len(prompts)]]
+        self.turn += 1
+        return outs
+
+
+def test_an_episode_whose_last_turn_was_cut_at_max_tokens_is_truncated(quickstart_tok):
+    """A final turn cut by the per-turn token limit (no stop token) ends as "length" even when the environment then
+    ends the episode (the calculator scores any turn without a call), so response/truncated_frac, eval's truncated_frac
+    and rollout.mask_truncated see it, as they see a single-turn completion cut at max_tokens. The reward is the
+    environment's. SmolLM2-135M cut 30% of its calculator episodes' last turns at 128 tokens, reported as 0%."""
+    tok, end = quickstart_tok, quickstart_tok.eos_token_id
+    digit = tok.convert_tokens_to_ids("3")
+    limits = EpisodeLimits(max_turns=2, max_episode_tokens=16, max_prompt_tokens=64, max_model_len=128, timeout_s=5.0)
+    sampling = Sampling(max_tokens=3, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=(end,))
+    client = _ScriptedClient([[([digit, end], "stop"), ([digit] * 3, "length")]])
+    episodes, _ = EpisodeRunner(_EndsAtOnce, tok, limits).run(client, [{}, {}], lambda e, t: 0, sampling)
+    assert [e.finish_reason for e in episodes] == ["stop", "length"]
+    assert [e.reward for e in episodes] == [1.0, 1.0]
+    # cut by the episode's token budget: the same
+    client = _ScriptedClient([[([digit] * 3 + [end], "stop")]])
+    tight = EpisodeLimits(**{**limits.__dict__, "max_episode_tokens": 2})
+    assert EpisodeRunner(_EndsAtOnce, tok, tight).run(client, [{}], lambda e, t: 0, sampling)[0][0].finish_reason \
+        == "length"
 
 
 def test_get_env_names_what_is_wrong():

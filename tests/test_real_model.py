@@ -23,6 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from apmpo import models
 from apmpo.config import ConfigError, load_config
 from apmpo.data import encode_prompt, load_records, stop_token_ids
+from apmpo.envs.calculator import CalculatorEnv
+from apmpo.envs.chat import Transcript
 from apmpo.rollout import GenerationClient
 from apmpo.rewards import math_reward
 from apmpo.rollout.launcher import start_server
@@ -117,6 +119,39 @@ def test_a_failed_fetch_names_its_cause_and_leaves_nothing(model_dir, monkeypatc
         models.fetch(NAME, log=lambda message: None)
     assert list((tmp_path / "models").iterdir()) == []  # no partial download or conversion
     assert not models.is_fetched(NAME)
+
+
+# --- the calculator's episodes on the real chat template (no server) ---
+
+
+def test_calculator_episodes_on_chatml_append_only_and_fit_the_shipped_config(tokenizer, model_dir):
+    """configs/smollm2_calculator.yaml: every arith problem's first prompt (system prompt, the worked example, the
+    question) fits data.max_prompt_tokens; a scripted episode's ids, sampled <|im_end|> kept, equal the ChatML
+    tokenisation of its text, and the environment's message opens with the newline after the sampled <|im_end|>."""
+    cfg = load_config(ROOT / "configs/smollm2_calculator.yaml")
+    assert cfg.data.max_prompt_tokens + cfg.data.max_episode_tokens <= cfg.rollout.max_model_len
+    stops = stop_token_ids(str(model_dir), tokenizer)
+    assert stops == (IM_END,)
+    records = load_records("arith_train", limit=512) + load_records("arith_test")
+    lengths = [len(Transcript(tokenizer, CalculatorEnv().reset(r)).ids) for r in records]
+    assert max(lengths) <= cfg.data.max_prompt_tokens
+    record = records[-1]
+    env, chat = CalculatorEnv(), Transcript(tokenizer, CalculatorEnv().reset(record))
+    env.reset(record)
+    assert record["answer"] == "13"  # 6 stickers and 7 more
+    turns = ["She puts 7 more on 6. <calc>6 + 7</calc>", "The final answer is \\boxed{13}."]
+    for k, text in enumerate(turns):
+        action = chat.add_sampled(tokenizer(text, add_special_tokens=False)["input_ids"] + [IM_END], stops)
+        assert action == text
+        observation, reward, done = env.step(action)
+        if not done:
+            env_ids = chat.add_message({"role": "user", "content": observation})
+            expected = f"\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
+            assert tokenizer.decode(env_ids) == expected
+    assert done and k == 1 and reward == 1.0
+    assert chat.ids == tokenizer(chat.text, add_special_tokens=False)["input_ids"]
+    assert chat.text.endswith("<|im_end|>")
+    assert chat.text.count("<calc>") == 3  # the system prompt's, the example's, the policy's
 
 
 # --- the server on the real model ---

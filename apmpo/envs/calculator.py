@@ -5,6 +5,13 @@ each call's result, `<result>14</result>` (one line per call, in order; `<result
 expression it cannot compute). A turn without a call ends the episode; its reward is the math reward
 (apmpo.rewards.math_reward: the final answer in \\boxed{}, ...) against the sample's `answer`.
 
+The first prompt is the system prompt (SYSTEM_PROMPT, which replaces the sample's own), one worked episode as chat
+turns (EXAMPLE: a question, a turn with a call, the result, the boxed answer) and the sample's question. The example
+is what makes a small model use the tool at all: SmolLM2-135M-Instruct at temperature 0.7 on arith_test made no
+call in 128 episodes with SYSTEM_PROMPT alone, nor in 64 each with a worked example written into the system prompt
+(two wordings, as apmpo/data/arith.py does for its own prompt); with EXAMPLE as chat turns 26% of 128 episodes
+called the tool (docs/multiturn.md, 2026-11-26). A subclass may set `example = []` or its own turns.
+
     user:      Tom has 3 bags of 4 apples and buys 2 more. How many apples?
     policy:    <calc>3*4+2</calc>
     user:      <result>14</result>
@@ -24,6 +31,13 @@ SYSTEM_PROMPT = (
     "Solve the problem. You may use a calculator: write <calc>expression</calc> with numbers, + - * / and "
     "parentheses, and the next message gives <result>value</result> for each call. Put your final answer "
     "within \\boxed{}.")
+# One worked episode, in the calculator's own format, shown as earlier chat turns before the question.
+EXAMPLE = (
+    {"role": "user", "content": "Ann has 4 pens and gets 3 more. How many pens does Ann have now?"},
+    {"role": "assistant", "content": "Ann has 4 + 3 pens. <calc>4 + 3</calc>"},
+    {"role": "user", "content": "<result>7</result>"},
+    {"role": "assistant", "content": "The final answer is \\boxed{7}."},
+)
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 MAX_EXPRESSION_CHARS = 200  # bounds the time and the size of any result (no powers: at most ~10^200)
 _OPERATORS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__,
@@ -74,11 +88,14 @@ def tool_reply(action: str) -> str | None:
 
 
 class CalculatorEnv:
+    system_prompt = SYSTEM_PROMPT
+    example: tuple[dict, ...] | list[dict] = EXAMPLE
+
     def reset(self, sample: dict) -> list[dict]:
         self.sample = sample
         question = [m for m in sample.get("messages", []) if m["role"] != "system"] or \
             [{"role": "user", "content": sample["question"]}]
-        return [{"role": "system", "content": SYSTEM_PROMPT}, *question]
+        return [{"role": "system", "content": self.system_prompt}, *(dict(m) for m in self.example), *question]
 
     def step(self, action: str) -> tuple[str, float | None, bool]:
         reply = tool_reply(action)

@@ -62,7 +62,9 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # the engine's, per completion token (0.0 where not sampled)
     weight_versions: list[int] = field(default_factory=list)  # of the weights that sampled each turn
     reward: float = 0.0  # the last reward `step` returned; 0.0 if none, or if the environment failed
-    finish_reason: str | None = None  # "stop" (the environment ended it), "length" (turns or tokens) or "error"
+    # "stop" (the environment ended it), "length" (out of turns or tokens, or its last turn was cut at a token limit
+    # without its stop token, whatever the environment said) or "error"
+    finish_reason: str | None = None
     text: str = ""  # the completion as text: decoded sampled ids and rendered environment messages
     error: str | None = None
 
@@ -143,11 +145,13 @@ class EpisodeRunner:
                                       seeds=[seed_of(k, turn) for k in active])
             summary["generate_seconds"] += time.perf_counter() - tick
             summary["turns"] += len(active)
-            actions = []
+            actions, cut = [], {}
             for k, (out,) in zip(active, outputs):
                 episode = episodes[k]
                 room = limits.max_episode_tokens - len(episode.completion_ids)
                 ids = list(out.token_ids[:room])
+                # cut by a token limit (the turn's, the engine's or the episode's), not ended by a stop token
+                cut[k] = out.finish_reason == "length" or len(out.token_ids) > room
                 actions.append(chats[k].add_sampled(ids, sampling.stop_token_ids))
                 episode.completion_ids += ids
                 episode.sampled += [True] * len(ids)
@@ -170,8 +174,8 @@ class EpisodeRunner:
                     continue
                 if reward is not None:
                     episode.reward = reward
-                if done:
-                    episode.finish_reason = "stop"
+                if done:  # a last turn that was cut is "length", as a cut single-turn completion is, and scored
+                    episode.finish_reason = "length" if cut[k] else "stop"
                     continue
                 if turn + 1 == limits.max_turns or len(episode.completion_ids) >= limits.max_episode_tokens:
                     episode.finish_reason = "length"
