@@ -6,6 +6,7 @@ import math
 import re
 from types import SimpleNamespace
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,21 @@ def test_reveal_env_reveals_then_rewards_a_revealed_digit():
     env.reset(sample)
     env.step("")
     assert env.step("2") == ("", 0.0, True)
+
+
+def test_the_readmes_environment_plays_as_the_builtin_reveal(tmp_path, monkeypatch):
+    """The README's example, written to a file and named as a user names theirs (data.env: my_envs:RevealDigits),
+    answers every action as `reveal` does."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [code] = re.findall(r"```python\n(# my_envs\.py.*?)```", readme, re.DOTALL)
+    (tmp_path / "my_envs.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    theirs, ours = get_env("my_envs:RevealDigits")(), RevealEnv()
+    for answer in ("385", "012"):
+        for actions in (["x", "8"], ["", "2"], ["5", " 0"], ["1", ""]):
+            sample = {"answer": answer}
+            assert theirs.reset(sample) == ours.reset(sample)
+            assert [theirs.step(a) for a in actions] == [ours.step(a) for a in actions]
 
 
 @pytest.mark.parametrize("expression, value", [

@@ -125,12 +125,13 @@ def test_eval_cli_reports_pass_at_k_over_episodes_and_resumes(server, tmp_path, 
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 48
 
 
-def test_multiturn_training_runs_async_validates_episodes_and_survives_env_failures(tmp_path):
+def test_multiturn_training_runs_async_validates_episodes_survives_env_failures_and_resumes(tmp_path):
     """configs/quickstart_multiturn.yaml for 4 steps, generating one step ahead, validating every 2 steps on
-    episodes, with an environment that fails on about one sample in ten."""
-    overrides = ["data.env=flaky_envs:RaisesInStep", "train.steps=4", "train.max_staleness=1",
-                 "checkpoint.save_every=2", "eval.every=2", "eval.limit=12", f"logging.output_dir={tmp_path}"]
-    run(train_command("configs/quickstart_multiturn.yaml", *overrides), env=ENV)
+    episodes, with an environment that fails on about one sample in ten; then resumed from step 4's checkpoint
+    for 2 steps more."""
+    overrides = ["data.env=flaky_envs:RaisesInStep", "train.max_staleness=1", "checkpoint.save_every=2",
+                 "eval.every=2", "eval.limit=12", f"logging.output_dir={tmp_path}"]
+    run(train_command("configs/quickstart_multiturn.yaml", *overrides, "train.steps=4"), env=ENV)
     rows = metrics(tmp_path / "quickstart_multiturn")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert sum(r["reward/failures"] for r in rows) > 0  # failed episodes were counted, and training went on
@@ -147,3 +148,11 @@ def test_multiturn_training_runs_async_validates_episodes_and_survives_env_failu
         if not failed:
             assert f"<|im_start|>user\n{sample['answer']}<|im_end|>" in sample["completion"]
     assert (tmp_path / "quickstart_multiturn" / "checkpoints" / "step_2").is_dir()
+
+    done = run(train_command("configs/quickstart_multiturn.yaml", *overrides, "train.steps=6") + ["--resume"], env=ENV)
+    assert "resuming at step 4" in done.stdout
+    resumed = metrics(tmp_path / "quickstart_multiturn")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6] and resumed[:4] == rows
+    assert all(r["episode/turns_mean"] > 1 for r in resumed[4:])  # episodes again: the environment answered
+    assert "val/quickstart_val/pass@1" in resumed[5]
+    assert (tmp_path / "quickstart_multiturn" / "eval" / "step_6" / "samples.jsonl").is_file()
