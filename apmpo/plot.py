@@ -154,7 +154,9 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
         ax.tick_params(labelsize=10)
         ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], color=colors[i % len(colors)], linewidth=2.5) for i in range(len(data))]
-    fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 6), fontsize=12, frameon=False)
+    # below the panels when a title takes the top: constrained layout does not stack a suptitle and a legend there
+    fig.legend(handles, labels, loc="outside lower center" if title else "outside upper center",
+               ncol=min(len(labels), 6), fontsize=12, frameon=False)
     if title:
         fig.suptitle(title, fontsize=14)
     out.parent.mkdir(parents=True, exist_ok=True)
