@@ -87,21 +87,23 @@ def test_only_the_adapter_trains_and_checkpoints_resume(tiny_tied, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_lora_quickstart_trains_serves_and_checkpoints(tmp_path):
-    # The one end-to-end LoRA run, shortened: two servers with --enable-lora, an adapter pushed after every step,
-    # validation through the servers, a checkpoint with adapter/ and a merged hf/. (It does not learn the task
-    # within 100 steps yet: docs/lora.md.)
+def test_the_lora_quickstart_learns_serves_and_checkpoints(tmp_path):
+    # The one end-to-end LoRA run: two servers with --enable-lora, an adapter pushed after every step, validation
+    # through the servers, a checkpoint with adapter/ and a merged hf/; and the task learnt, from chance (~0.15).
     from train_runs import metrics, run, train_command
 
-    run(train_command("configs/quickstart_lora.yaml", f"logging.output_dir={tmp_path}", "train.steps=4",
-                      "checkpoint.save_every=4", "eval.every=2"), timeout=900)
+    run(train_command("configs/quickstart_lora.yaml", f"logging.output_dir={tmp_path}", "train.steps=60",
+                      "checkpoint.save_every=60", "eval.every=20"), timeout=900)
     records = metrics(tmp_path / "quickstart_lora")
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records] == list(range(1, 61))
+    rewards = [r["reward/mean"] for r in records]
+    assert sum(rewards[:5]) / 5 < 0.35, rewards[:5]
+    assert sum(rewards[-10:]) / 10 >= 0.8, rewards[-10:]
     # Every batch came from the newest adapter (version = step - 1), and the engine's log-probs are the
     # learner's: an adapter that was not delivered (verl#7495) would show as a mismatch from step 2 on.
     assert all(r["rollout/staleness"] == 0 for r in records)
     assert all(abs(r["rollout/mismatch_kl_k3"]) < 1e-5 for r in records), [r["rollout/mismatch_kl_k3"] for r in records]
-    assert records[-1]["policy/approx_kl"] > 0  # the adapter moved
-    assert "val/quickstart_val/pass@1" in records[1] and "val/quickstart_val/pass@1" in records[3]
-    step = tmp_path / "quickstart_lora" / "checkpoints" / "step_4"
+    assert [r["step"] for r in records if "val/quickstart_val/pass@1" in r] == [20, 40, 60]
+    assert records[-1]["val/quickstart_val/pass@1"] >= 0.8
+    step = tmp_path / "quickstart_lora" / "checkpoints" / "step_60"
     assert (step / "adapter" / "adapter_model.safetensors").is_file() and (step / "hf" / "model.safetensors").is_file()
