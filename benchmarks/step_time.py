@@ -19,7 +19,8 @@ over the run (the printed mean lengths show it).
 
 The real model, `--sizes smollm2`: SmolLM2-135M-Instruct (30 layers, fetched by apmpo.models) on "What is A + B?"
 with A, B in 10-99 under the math system prompt, 8 prompts x 4 samples, no reference model (beta 0), the math
-reward, one server. After its runs, a plain torch forward+backward of the same model over the same tokens (apmpo's
+reward, one server, compiled (apmpo's default: the quickstart config this script starts from turns compilation
+off for its tiny model; on 2 cores a first compile of SmolLM2 adds about 80 s to the start, cached later). After its runs, a plain torch forward+backward of the same model over the same tokens (apmpo's
 batch, padded: prompts + mean completion length) is timed: the learner's limit on this machine. Its update is
 reported against it, with tokens/s.
 
@@ -420,7 +421,7 @@ def main() -> None:
         if size == "smollm2":
             size_prompts = str(write_additions(root))
             prompt_tokens = _prompt_tokens(models[size], size_prompts)
-            sets = ("rollout.num_servers=1", "eval.every=0", *sets)  # apmpo's default: one server
+            sets = ("rollout.num_servers=1", "rollout.enforce_eager=false", "eval.every=0", *sets)  # apmpo's defaults
         for tokens in args.tokens:
             ours, theirs = [], []
             for r in range(args.rounds):

@@ -3,6 +3,7 @@ process group whose leader is already gone; and (issue 31) what a push must hold
 segments, running servers that are not there."""
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from apmpo.rollout.client import GenerationClient, ServerUnavailable
 from apmpo.rollout.launcher import ServerProcess, serve, start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
-from apmpo.rollout.weight_sync import (SEGMENT_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, plan_buckets,
+from apmpo.rollout.weight_sync import (ADAPTER_PREFIX, SEGMENT_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, plan_buckets,
                                        sweep_orphan_segments)
 
 BASE = dict(prompts=[[1, 2, 3], [4, 5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
@@ -174,20 +175,27 @@ def test_an_adapter_push_must_hold_both_halves_of_each_layer_at_the_configured_r
         check([])
 
 
-def test_segments_of_learners_that_are_gone_are_swept(tmp_path):
+def test_segments_and_adapter_folders_of_processes_that_are_gone_are_swept(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     orphan = Path(SHM_DIR) / f"{SEGMENT_PREFIX}{gone.pid}-test0001"
     ours = Path(SHM_DIR) / f"{SEGMENT_PREFIX}{os.getpid()}-test0002"
     other = Path(SHM_DIR) / f"{SEGMENT_PREFIX}notapid-test0003"
+    orphan_adapter = Path(SHM_DIR) / f"{ADAPTER_PREFIX}{gone.pid}-test0004"  # a server killed during a push
+    our_adapter = Path(SHM_DIR) / f"{ADAPTER_PREFIX}{os.getpid()}-test0005"
     try:
         for path in (orphan, ours, other):
             path.write_bytes(b"\0" * 4096)
-        assert str(orphan) in sweep_orphan_segments()
+        for folder in (orphan_adapter, our_adapter):
+            folder.mkdir()
+            (folder / "adapter_model.safetensors").write_bytes(b"\0" * 4096)
+        assert sorted(sweep_orphan_segments()) == sorted([str(orphan), str(orphan_adapter)])
         assert not orphan.exists() and ours.exists() and other.exists()
+        assert not orphan_adapter.exists() and our_adapter.exists()
     finally:
         for path in (orphan, ours, other):
             path.unlink(missing_ok=True)
+        shutil.rmtree(our_adapter, ignore_errors=True)
 
 
 # --- running servers that are not there (issue 31, item 12) ---

@@ -93,7 +93,7 @@ class GenerationClient:
         self._sessions_lock = threading.Lock()
         self._info: dict[str, Any] | None = None
         self._sender = WeightSender([self])
-        sweep_orphan_segments()  # of learners killed while sharing weights with a server
+        sweep_orphan_segments()  # of learners or servers killed while sharing weights
         self.last_push: PushReport | None = None
 
     # --- HTTP ---

@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
 from apmpo.rollout.sampling import Sampling, check_sampling
-from apmpo.rollout.weight_sync import SHM_DIR, BadPush, Bucket, ExpectedWeights, Transport, sweep_orphan_segments
+from apmpo.rollout.weight_sync import ADAPTER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, Transport, sweep_orphan_segments
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
 # and they load vLLM's Qwen2-VL code too.
@@ -425,7 +425,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
         with engine_lock:
             locked.set()
             refuse_unmapped_segment(buckets, in_place)
-            folder = tempfile.mkdtemp(prefix="apmpo-adapter-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
+            folder = tempfile.mkdtemp(prefix=f"{ADAPTER_PREFIX}{os.getpid()}-",
+                                      dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
             try:
                 try:
                     timings = compat.collective_rpc(llm, "apmpo_receive_adapter", rpc_timeout_s=limits.update_timeout_s,
@@ -646,7 +647,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for path in sweep_orphan_segments():
-        log.info("removed %s: a weight segment whose learner is gone", path)
+        log.info("removed %s: left by a learner or server that is gone", path)
     llm = compat.build_engine(compat.EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,

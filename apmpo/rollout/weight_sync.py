@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20  # on CPU 64 MiB overlapped transfer and load 
 _ALIGN = 64  # bytes; every tensor starts at a multiple, so a uint8 slice can be viewed as any dtype
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "apmpo-weights-"  # + "<the learner's pid>-<a unique id>"
+ADAPTER_PREFIX = "apmpo-adapter-"  # + "<the server's pid>-<a unique id>": a folder an adapter push writes
 ABORT_KEY = "apmpo/abort"  # in the group's store: a rank gave up the push in flight (WeightGroup.give_up)
 ABORT_POLL_S = 0.05  # how often a waiting worker asks the store for ABORT_KEY
 # A LoRA adapter's tensors, named as PEFT's save_pretrained writes them into adapter_model.safetensors (what
@@ -401,16 +403,19 @@ _abandoned: list[tuple[float, list]] = []  # (monotonic time after which they ma
 
 
 def sweep_orphan_segments() -> list[str]:
-    """Unlinks the shm weight segments whose learner is gone, and returns their paths. A segment's name exists
-    only while the workers map it (share_segment), but a learner killed then leaves the file behind, the size of
-    the weights, and nothing else would remove it. Called where a server or a learner's client starts."""
+    """Unlinks the shm weight segments whose learner is gone, and the adapter folders whose server is gone, and
+    returns their paths. A segment's name exists only while the workers map it (share_segment), and a server
+    removes an adapter's folder once the engine has loaded it, but a process killed in between leaves the file
+    behind, the size of the weights or the adapter, and nothing else would remove it. Called where a server or a
+    learner's client starts."""
     removed = []
-    for path in glob.glob(f"{SHM_DIR}/{SEGMENT_PREFIX}*-*"):
-        owner = os.path.basename(path).removeprefix(SEGMENT_PREFIX).split("-")[0]
-        if owner.isdigit() and not _process_exists(int(owner)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                removed.append(path)
+    for prefix in (SEGMENT_PREFIX, ADAPTER_PREFIX):
+        for path in glob.glob(f"{SHM_DIR}/{prefix}*-*"):
+            owner = os.path.basename(path).removeprefix(prefix).split("-")[0]
+            if owner.isdigit() and not _process_exists(int(owner)):
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                    removed.append(path)
     return removed
 
 
