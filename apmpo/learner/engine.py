@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from apmpo.config import Config, ConfigError
+from apmpo.cpu_memory import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ def init_distributed(timeout_s: float = 7200.0, overlap: bool = True) -> Dist:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(os.cpu_count() or 1, int(os.environ["WORLD_SIZE"]), overlap))
+        keep_freed_memory()
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",

