@@ -107,3 +107,13 @@ def test_the_lora_quickstart_learns_serves_and_checkpoints(tmp_path):
     assert records[-1]["val/quickstart_val/pass@1"] >= 0.8
     step = tmp_path / "quickstart_lora" / "checkpoints" / "step_60"
     assert (step / "adapter" / "adapter_model.safetensors").is_file() and (step / "hf" / "model.safetensors").is_file()
+    # The merged checkpoint evaluates as a plain model, on a fresh server, as the adapter validated: the same
+    # problems and samples, drawn from logits that differ by float rounding only (W + s B A against W x + s B A x).
+    from apmpo.eval.__main__ import main as eval_main
+
+    assert eval_main(["--model", str(step / "hf"), "--benchmarks", "quickstart_val", "--n", "4", "--k", "1",
+                      "--temperature", "0.35", "--top-p", "1.0", "--max-tokens", "4", "--seeds", "0",
+                      "--enforce-eager", "--out", str(tmp_path / "eval")]) == 0
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    evaluated = results["benchmarks"]["quickstart_val"]["pass@1"]["mean"]
+    assert abs(evaluated - records[-1]["val/quickstart_val/pass@1"]) <= 0.03, evaluated
