@@ -63,7 +63,8 @@ from apmpo.cpu_memory import keep_freed_memory
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
 from apmpo.rollout.sampling import Sampling, check_sampling
-from apmpo.rollout.weight_sync import ADAPTER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, Transport, sweep_orphan_segments
+from apmpo.rollout.weight_sync import (ADAPTER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, Transport,
+                                       sweep_orphan_segments)
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
 # and they load vLLM's Qwen2-VL code too.
