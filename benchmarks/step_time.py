@@ -20,8 +20,9 @@ over the run (the printed mean lengths show it).
 The real model, `--sizes smollm2`: SmolLM2-135M-Instruct (30 layers, fetched by apmpo.models) on "What is A + B?"
 with A, B in 10-99 under the math system prompt, 8 prompts x 4 samples, no reference model (beta 0), the math
 reward, one server, compiled (apmpo's default: the quickstart config this script starts from turns compilation
-off for its tiny model; on 2 cores a first compile of SmolLM2 adds about 80 s to the start, cached later). After its runs, a plain torch forward+backward of the same model over the same tokens (apmpo's
-batch, padded: prompts + mean completion length) is timed: the learner's limit on this machine. Its update is
+off for its tiny model; on 2 cores a first compile of SmolLM2 adds about 80 s to the start, cached later). After
+its runs, a plain torch forward+backward of the same model over the same tokens (apmpo's batch, padded: prompts +
+mean completion length) is timed: the learner's limit on this machine. Its update is
 reported against it, with tokens/s.
 
 The baseline is TRL's GRPOTrainer (HF generate in process) when `trl` is importable, else a plain in-process

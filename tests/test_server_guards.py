@@ -20,8 +20,8 @@ from apmpo.rollout.client import GenerationClient, ServerUnavailable
 from apmpo.rollout.launcher import ServerProcess, serve, start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
-from apmpo.rollout.weight_sync import (ADAPTER_PREFIX, SEGMENT_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, plan_buckets,
-                                       sweep_orphan_segments)
+from apmpo.rollout.weight_sync import (ADAPTER_PREFIX, SEGMENT_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights,
+                                       plan_buckets, sweep_orphans_in_shm)
 
 BASE = dict(prompts=[[1, 2, 3], [4, 5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
 
@@ -189,7 +189,7 @@ def test_segments_and_adapter_folders_of_processes_that_are_gone_are_swept(tmp_p
         for folder in (orphan_adapter, our_adapter):
             folder.mkdir()
             (folder / "adapter_model.safetensors").write_bytes(b"\0" * 4096)
-        assert sorted(sweep_orphan_segments()) == sorted([str(orphan), str(orphan_adapter)])
+        assert sorted(sweep_orphans_in_shm()) == sorted([str(orphan), str(orphan_adapter)])
         assert not orphan.exists() and ours.exists() and other.exists()
         assert not orphan_adapter.exists() and our_adapter.exists()
     finally:

@@ -32,7 +32,7 @@ from apmpo.rollout.net import in_thread, is_loopback, local_address_towards
 from apmpo.rollout.sampling import Sampling
 from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, Transport, WeightGroup, holds_in_place,
                                        pack_in_place, plan_buckets, select_transport, send_buckets,
-                                       sweep_orphan_segments)
+                                       sweep_orphans_in_shm)
 
 # How often a starting server is asked whether it is ready: it refuses connections until its engine is loaded,
 # so asking is cheap, and each poll interval is start-up time lost on average by half.
@@ -93,7 +93,7 @@ class GenerationClient:
         self._sessions_lock = threading.Lock()
         self._info: dict[str, Any] | None = None
         self._sender = WeightSender([self])
-        sweep_orphan_segments()  # of learners or servers killed while sharing weights
+        sweep_orphans_in_shm()  # of learners or servers killed while sharing weights
         self.last_push: PushReport | None = None
 
     # --- HTTP ---

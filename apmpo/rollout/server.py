@@ -64,7 +64,7 @@ from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
 from apmpo.rollout.sampling import Sampling, check_sampling
 from apmpo.rollout.weight_sync import (ADAPTER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, Transport,
-                                       sweep_orphan_segments)
+                                       sweep_orphans_in_shm)
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
 # and they load vLLM's Qwen2-VL code too.
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         keep_freed_memory()  # each push's and each step's large blocks, reused rather than faulted in again
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for path in sweep_orphan_segments():
+    for path in sweep_orphans_in_shm():
         log.info("removed %s: left by a learner or server that is gone", path)
     llm = compat.build_engine(compat.EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,

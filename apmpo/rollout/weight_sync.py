@@ -346,7 +346,7 @@ class WeightGroup:
         finally:
             # The name is needed no longer once every rank has mapped the file, nor once the push has failed (the
             # learner gone too): the first rank here unlinks it. (A learner killed before this leaves it to
-            # sweep_orphan_segments.)
+            # sweep_orphans_in_shm.)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         if error is not None:
@@ -402,19 +402,19 @@ class PushAbandoned(RuntimeError):
 _abandoned: list[tuple[float, list]] = []  # (monotonic time after which they may go, process groups)
 
 
-def sweep_orphan_segments() -> list[str]:
+def sweep_orphans_in_shm() -> list[str]:
     """Unlinks the shm weight segments whose learner is gone, and the adapter folders whose server is gone, and
     returns their paths. A segment's name exists only while the workers map it (share_segment), and a server
     removes an adapter's folder once the engine has loaded it, but a process killed in between leaves the file
     behind, the size of the weights or the adapter, and nothing else would remove it. Called where a server or a
     learner's client starts."""
     removed = []
-    for prefix in (SEGMENT_PREFIX, ADAPTER_PREFIX):
+    for prefix, remove in ((SEGMENT_PREFIX, os.unlink), (ADAPTER_PREFIX, shutil.rmtree)):
         for path in glob.glob(f"{SHM_DIR}/{prefix}*-*"):
             owner = os.path.basename(path).removeprefix(prefix).split("-")[0]
             if owner.isdigit() and not _process_exists(int(owner)):
                 with contextlib.suppress(FileNotFoundError):
-                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                    remove(path)
                     removed.append(path)
     return removed
 
