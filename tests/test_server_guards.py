@@ -20,7 +20,7 @@ from apmpo.rollout.client import GenerationClient, ServerUnavailable
 from apmpo.rollout.launcher import ServerProcess, serve, start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
-from apmpo.rollout.weight_sync import (ADAPTER_PREFIX, SEGMENT_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights,
+from apmpo.rollout.weight_sync import (SHM_DIR, BadPush, Bucket, ExpectedWeights,
                                        plan_buckets, sweep_orphans_in_shm)
 
 BASE = dict(prompts=[[1, 2, 3], [4, 5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
@@ -176,13 +176,14 @@ def test_an_adapter_push_must_hold_both_halves_of_each_layer_at_the_configured_r
 
 
 def test_segments_and_adapter_folders_of_processes_that_are_gone_are_swept(tmp_path):
+    # the names written out, as a person cleaning /dev/shm by hand sees them
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    orphan = Path(SHM_DIR) / f"{SEGMENT_PREFIX}{gone.pid}-test0001"
-    ours = Path(SHM_DIR) / f"{SEGMENT_PREFIX}{os.getpid()}-test0002"
-    other = Path(SHM_DIR) / f"{SEGMENT_PREFIX}notapid-test0003"
-    orphan_adapter = Path(SHM_DIR) / f"{ADAPTER_PREFIX}{gone.pid}-test0004"  # a server killed during a push
-    our_adapter = Path(SHM_DIR) / f"{ADAPTER_PREFIX}{os.getpid()}-test0005"
+    orphan = Path(SHM_DIR) / f"apmpo-weights-{gone.pid}-test0001"
+    ours = Path(SHM_DIR) / f"apmpo-weights-{os.getpid()}-test0002"
+    other = Path(SHM_DIR) / "apmpo-weights-notapid-test0003"
+    orphan_adapter = Path(SHM_DIR) / f"apmpo-adapter-{gone.pid}-test0004"  # a server killed during a push
+    our_adapter = Path(SHM_DIR) / f"apmpo-adapter-{os.getpid()}-test0005"
     try:
         for path in (orphan, ours, other):
             path.write_bytes(b"\0" * 4096)

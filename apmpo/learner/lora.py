@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from apmpo.config import Config, LoraConfig
-from apmpo.rollout.weight_sync import ADAPTER_PREFIX
+from apmpo.rollout.weight_sync import PEFT_PREFIX
 
 
 def add_adapter(model, cfg: LoraConfig) -> None:
@@ -49,7 +49,7 @@ def adapter_disabled(model):
 def adapter_tensors(model) -> list[tuple[str, torch.Tensor]]:
     """The adapter's tensors under the names PEFT's save_pretrained gives them in adapter_model.safetensors, the
     names vLLM loads: `base_model.model.<layer>.lora_A.weight` and `.lora_B.weight`."""
-    return [(ADAPTER_PREFIX + name, tensor) for name, tensor in model.get_adapter_state_dict().items()]
+    return [(PEFT_PREFIX + name, tensor) for name, tensor in model.get_adapter_state_dict().items()]
 
 
 def adapter_config(model) -> dict:

@@ -63,7 +63,7 @@ from apmpo.cpu_memory import keep_freed_memory
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
 from apmpo.rollout.sampling import Sampling, check_sampling
-from apmpo.rollout.weight_sync import (ADAPTER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, Transport,
+from apmpo.rollout.weight_sync import (ADAPTER_FOLDER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights, Transport,
                                        sweep_orphans_in_shm)
 
 # Here at import, not only in vllm_compat: the engine's spawned processes import this module (as __mp_main__),
@@ -427,7 +427,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
         with engine_lock:
             locked.set()
             refuse_unmapped_segment(buckets, in_place)
-            folder = tempfile.mkdtemp(prefix=f"{ADAPTER_PREFIX}{os.getpid()}-",
+            folder = tempfile.mkdtemp(prefix=f"{ADAPTER_FOLDER_PREFIX}{os.getpid()}-",
                                       dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
             try:
                 try:

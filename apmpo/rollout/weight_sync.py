@@ -48,13 +48,13 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20  # on CPU 64 MiB overlapped transfer and load 
 _ALIGN = 64  # bytes; every tensor starts at a multiple, so a uint8 slice can be viewed as any dtype
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "apmpo-weights-"  # + "<the learner's pid>-<a unique id>"
-ADAPTER_PREFIX = "apmpo-adapter-"  # + "<the server's pid>-<a unique id>": a folder an adapter push writes
+ADAPTER_FOLDER_PREFIX = "apmpo-adapter-"  # + "<the server's pid>-<a unique id>": an adapter push's folder
 ABORT_KEY = "apmpo/abort"  # in the group's store: a rank gave up the push in flight (WeightGroup.give_up)
 ABORT_POLL_S = 0.05  # how often a waiting worker asks the store for ABORT_KEY
 # A LoRA adapter's tensors, named as PEFT's save_pretrained writes them into adapter_model.safetensors (what
-# vLLM reads): the layer's name in the HF model under ADAPTER_PREFIX, then which half of the update B A.
-ADAPTER_PREFIX = "base_model.model."
-ADAPTER_TENSOR = re.compile(re.escape(ADAPTER_PREFIX) + r"(.+)\.lora_([AB])\.weight")
+# vLLM reads): the layer's name in the HF model under PEFT_PREFIX, then which half of the update B A.
+PEFT_PREFIX = "base_model.model."
+ADAPTER_TENSOR = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_([AB])\.weight")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -154,7 +154,7 @@ class ExpectedWeights:
             weight = self.shapes.get(f"{match[1]}.weight") if match else None
             if weight is None or len(weight) != 2:
                 raise BadPush(f"tensor {spec.name!r} is not a LoRA tensor of the served model (expected "
-                              f"'{ADAPTER_PREFIX}<a linear layer>.lora_A.weight' or '.lora_B.weight')")
+                              f"'{PEFT_PREFIX}<a linear layer>.lora_A.weight' or '.lora_B.weight')")
             out_features, in_features = weight
             shape = (rank, in_features) if match[2] == "A" else (out_features, rank)
             if tuple(spec.shape) != shape:
@@ -166,7 +166,7 @@ class ExpectedWeights:
         lacking = next((layer for layer, found in halves.items() if found != {"A", "B"}), None)
         if lacking is not None:
             half = "B" if "A" in halves[lacking] else "A"
-            raise BadPush(f"'{ADAPTER_PREFIX}{lacking}.lora_{half}.weight' is missing: the adapter's layers need "
+            raise BadPush(f"'{PEFT_PREFIX}{lacking}.lora_{half}.weight' is missing: the adapter's layers need "
                           "both halves")
 
     def _declared(self, buckets: list[Bucket]) -> Iterator[TensorSpec]:
@@ -409,7 +409,7 @@ def sweep_orphans_in_shm() -> list[str]:
     behind, the size of the weights or the adapter, and nothing else would remove it. Called where a server or a
     learner's client starts."""
     removed = []
-    for prefix, remove in ((SEGMENT_PREFIX, os.unlink), (ADAPTER_PREFIX, shutil.rmtree)):
+    for prefix, remove in ((SEGMENT_PREFIX, os.unlink), (ADAPTER_FOLDER_PREFIX, shutil.rmtree)):
         for path in glob.glob(f"{SHM_DIR}/{prefix}*-*"):
             owner = os.path.basename(path).removeprefix(prefix).split("-")[0]
             if owner.isdigit() and not _process_exists(int(owner)):
