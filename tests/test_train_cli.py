@@ -116,7 +116,7 @@ def test_kill_during_save_then_resume_matches_uninterrupted_run(tmp_path, quicks
     run_dir = tmp_path / "quickstart"
     partial = run_dir / "checkpoints" / "step_4.tmp"
     kill_when(command, lambda: (partial / "trainer_state.json").is_file(), str(tmp_path),
-              env={"APMPO_FAULT_SAVE_PAUSE_S": "30"})
+              env={"APMPO_FAULT_PAUSE_SAVING_STEP": "4"})
     assert partial.is_dir() and (run_dir / "checkpoints" / "step_2").is_dir()
     assert not (run_dir / "checkpoints" / "step_4").exists()
     done = run(command + ["--resume"])

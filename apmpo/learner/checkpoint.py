@@ -85,8 +85,8 @@ def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, token
         raise OSError(errno.ENOSPC, f"the disk is full: writing checkpoint {tmp} failed ({type(error).__name__}: "
                       f"{str(error)[:200]}); earlier checkpoints in {root} are intact") from error
     _barrier()
-    if os.environ.get("APMPO_FAULT_SAVE_PAUSE_S"):  # fault injection for tests: a window to kill mid-save
-        time.sleep(float(os.environ["APMPO_FAULT_SAVE_PAUSE_S"]))
+    if os.environ.get("APMPO_FAULT_PAUSE_SAVING_STEP") == str(step):  # fault injection: a window to kill mid-save
+        time.sleep(60)
     if rank == 0:
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step after a resume
