@@ -93,9 +93,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         model.save_pretrained(model_dir)
         build_tokenizer().save_pretrained(model_dir)
-        server = start_server(model_dir, log_path=f"{tempfile.gettempdir()}/apmpo_weight_sync_server.log", devices=args.devices,
-                              dtype=str(dtype).removeprefix("torch."), max_model_len=512,
-                              gpu_memory_utilization=args.gpu_memory_utilization)
+        # Eager: a push loads the same tensors either way, and a first compile of these shapes lengthens the start.
+        server = start_server(model_dir, log_path=f"{tempfile.gettempdir()}/apmpo_weight_sync_server.log",
+                              devices=args.devices, dtype=str(dtype).removeprefix("torch."), max_model_len=512,
+                              gpu_memory_utilization=args.gpu_memory_utilization, extra_args=("--enforce-eager",))
         try:
             with server.client() as client:
                 chosen = select_transport(device, client.info()["device_uuids"], same_machine=True, nbytes=nbytes)
