@@ -20,7 +20,7 @@ from apmpo.rollout.client import GenerationClient, ServerUnavailable
 from apmpo.rollout.launcher import ServerProcess, serve, start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
-from apmpo.rollout.weight_sync import (SHM_DIR, BadPush, Bucket, ExpectedWeights,
+from apmpo.rollout.weight_sync import (SHM_DIR, BadPush, Bucket, ExpectedWeights, all_finite,
                                        plan_buckets, sweep_orphans_in_shm)
 
 BASE = dict(prompts=[[1, 2, 3], [4, 5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
@@ -129,6 +129,20 @@ def test_the_client_refuses_non_finite_weights_naming_the_first():
         bad = good + [("c", torch.tensor([1.0, bad_value])), ("d", torch.tensor([math.nan]))]
         with pytest.raises(ValueError, match="'c' holds NaN or infinite values"):
             refuse_non_finite(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_agrees_with_isfinite_everywhere_in_a_tensor(dtype):
+    """A NaN or an infinity at any position (vectorised body and scalar tail) and the largest finite values."""
+    for n in (1, 7, 64, 65, 1031):
+        for position in range(n):
+            for bad in (math.nan, math.inf, -math.inf):
+                x = torch.randn(n).to(dtype)
+                x[position] = bad
+                assert not all_finite(x) and not all_finite(x.view(1, n, 1))
+        extremes = torch.tensor([torch.finfo(dtype).min, torch.finfo(dtype).max], dtype=dtype)
+        assert all_finite(torch.randn(n).to(dtype)) and all_finite(extremes)
+    assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.tensor(2.0, dtype=dtype))
 
 
 def test_expected_weights_of_a_tied_model_allow_but_do_not_require_the_head(tiny_tied):

@@ -30,8 +30,8 @@ import torch
 
 from apmpo.rollout.net import in_thread, is_loopback, local_address_towards
 from apmpo.rollout.sampling import Sampling
-from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, Transport, WeightGroup, holds_in_place,
-                                       pack_in_place, plan_buckets, select_transport, send_buckets,
+from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, Transport, WeightGroup, all_finite,
+                                       holds_in_place, pack_in_place, plan_buckets, select_transport, send_buckets,
                                        sweep_orphans_in_shm)
 
 # How often a starting server is asked whether it is ready: it refuses connections until its engine is loaded,
@@ -385,7 +385,7 @@ def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:
     floating = [(name, tensor) for name, tensor in named if tensor.is_floating_point()]
     if not floating:
         return
-    finite = torch.stack([tensor.isfinite().all() for _, tensor in floating])
+    finite = torch.stack([all_finite(tensor) for _, tensor in floating])
     if not finite.all():
         name = floating[int((~finite).nonzero()[0])][0]
         raise ValueError(f"weight push refused: {name!r} holds NaN or infinite values (a diverged update?)")
