@@ -1,10 +1,18 @@
 """apmpo.cpu_memory: a CPU process keeps what it frees, so a step's large blocks are not faulted in again."""
+import os
 import subprocess
 import sys
 
+from apmpo.cpu_memory import ONE_ARENA, with_one_arena
+
 CHILD = """
-import resource, sys, torch
+import resource, sys, threading, torch
 from apmpo.cpu_memory import keep_freed_memory
+# A thread that allocated before keep_freed_memory, as those that importing vLLM starts: its arena outlives it
+# and the next thread takes it, whatever mallopt says afterwards.
+early = threading.Thread(target=lambda: torch.ones(1024))
+early.start()
+early.join()
 if sys.argv[1] == "kept":
     assert keep_freed_memory()
 def faults_of_one_step():
@@ -13,13 +21,23 @@ def faults_of_one_step():
         blocks = [torch.ones(64 * 2**20 // 4) for _ in range(8)]  # 512 MiB of 64 MiB blocks, written
         del blocks
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_one_step()  # the first step grows the heap
-print(faults_of_one_step())
+def in_a_new_thread():  # as the server runs each request
+    result = []
+    thread = threading.Thread(target=lambda: result.append(faults_of_one_step()))
+    thread.start()
+    thread.join()
+    return result[0]
+step = in_a_new_thread if sys.argv[2] == "threads" else faults_of_one_step
+step()  # the first step grows the heap
+print(step())
 """
 
 
-def faults(mode: str) -> int:
-    done = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=120)
+def faults(mode: str, where: str = "main", tunables: str | None = None) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | ({"GLIBC_TUNABLES": tunables}
+                                                                           if tunables else {})
+    done = subprocess.run([sys.executable, "-c", CHILD, mode, where], capture_output=True, text=True, timeout=120,
+                          env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return int(done.stdout.split()[-1])
 
@@ -30,3 +48,17 @@ def test_a_step_reuses_the_memory_the_last_one_freed():
     default = faults("default")
     assert default > 300_000
     assert faults("kept") < default / 10
+
+
+def test_steps_on_new_threads_reuse_it_with_one_arena():
+    # Each thread got an arena of its own, which glibc gave back: the server's pushes faulted their pages in again
+    # on every request thread. With the launcher's GLIBC_TUNABLES every thread takes the kept heap.
+    own_arenas = faults("kept", "threads")
+    assert own_arenas > 300_000
+    assert faults("kept", "threads", with_one_arena(None)) < own_arenas / 10
+
+
+def test_with_one_arena_keeps_the_users_tunables():
+    assert with_one_arena(None) == with_one_arena("") == ONE_ARENA
+    assert with_one_arena("glibc.malloc.tcache_count=0") == f"glibc.malloc.tcache_count=0:{ONE_ARENA}"
+    assert with_one_arena("glibc.malloc.arena_max=4") == "glibc.malloc.arena_max=4"

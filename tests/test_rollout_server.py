@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -68,6 +69,12 @@ def test_the_server_compiles_its_text_model(client):
     # load): torch.compile must see the weights a push copies in place. Without --enforce-eager a GPU engine
     # compiles, as does a CPU engine where a C++ compiler exists (vllm_compat.compiles_on_cpu; this machine's).
     assert client.info()["compiled"] is True
+
+
+def test_a_cpu_server_allocates_from_one_kept_heap(tied_server):
+    # apmpo.cpu_memory.ONE_ARENA: the request threads that push weights reuse what the last push freed
+    environ = Path(f"/proc/{tied_server.process.pid}/environ").read_bytes().split(b"\0")
+    assert b"GLIBC_TUNABLES=glibc.malloc.arena_max=1" in environ
 
 
 def test_stop_token_finishes_with_stop(client):

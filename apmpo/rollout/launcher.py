@@ -35,6 +35,7 @@ from typing import Iterator
 
 import torch
 
+from apmpo.cpu_memory import with_one_arena
 from apmpo.rollout.client import READY_POLL_S, GenerationClient, ServerUnavailable
 from apmpo.rollout.net import bind_socket, is_loopback
 from apmpo.rollout.pool import ServerPool
@@ -203,6 +204,7 @@ def _launch(model: str, log_path: Path, devices: str | None, host: str, port: in
         # The CPU engine runs in the server's process (vllm_compat): cpu_server_threads says how many compute
         # threads it gets.
         child_env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
+        child_env["GLIBC_TUNABLES"] = with_one_arena(child_env.get("GLIBC_TUNABLES"))
     if token is not None:
         child_env["APMPO_SERVER_TOKEN"] = token  # not on the command line, where `ps` would show it
     # The server takes its process group (itself and vLLM's engine processes) down once we are gone, even after
