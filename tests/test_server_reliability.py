@@ -62,7 +62,8 @@ def engines(tiny_tied, tmp_path_factory):
     logs = tmp_path_factory.mktemp("engines")
     # Started as a user would, without the launcher; and without VLLM_CPU_KVCACHE_SPACE, where the old default
     # --gpu-memory-utilization 0.9 failed on a machine with less than 90% of its memory free.
-    env = {k: v for k, v in os.environ.items() if k not in ("APMPO_LAUNCHER_PID", "VLLM_CPU_KVCACHE_SPACE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("APMPO_LAUNCHER_PID", "VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES")}
     port = free_port()
     with open(logs / "by_hand.log", "wb") as log:
         by_hand = subprocess.Popen([sys.executable, "-m", "apmpo.rollout.server", "--model", str(tiny_tied),
@@ -91,6 +92,7 @@ def test_sigterm_to_a_hand_started_server_stops_its_engine(engines):
         client.wait_ready(timeout_s=300)
         assert len(client.generate([[1, 2, 3]], Sampling(max_tokens=4, temperature=0.0))[0][0].token_ids) > 0
     assert len(_group(process.pid)) >= 3  # the server, VLLM::EngineCore, VLLM::Worker
+    assert "started without GLIBC_TUNABLES=glibc.malloc.arena_max=1" in log.read_text()  # what the launcher sets
     os.kill(process.pid, signal.SIGTERM)  # the server only, as `kill PID` would
     assert process.wait(timeout=20) == 128 + signal.SIGTERM
     assert _wait_group_gone(process.pid) == [], log.read_text()[-3000:]
