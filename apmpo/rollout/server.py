@@ -653,7 +653,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("removed %s: left by a learner or server that is gone", path)
     if not torch.cuda.is_available() and "glibc.malloc.arena_max=" not in os.environ.get("GLIBC_TUNABLES", ""):
         log.warning("started without GLIBC_TUNABLES=%s (apmpo's launcher sets it): each weight push will fault its "
-                    "memory in again, about 1 s more per push of a 135M model", ONE_ARENA)
+                    "memory in again (0.3-2.6 s more per push of a 135M model)", ONE_ARENA)
     llm = compat.build_engine(compat.EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
