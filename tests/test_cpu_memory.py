@@ -28,7 +28,7 @@ def in_a_new_thread():  # as the server runs each request
     thread.join()
     return result[0]
 step = in_a_new_thread if sys.argv[2] == "threads" else faults_of_one_step
-step()  # the first step grows the heap
+step(), step()  # the first steps grow the heap
 print(step())
 """
 
@@ -53,9 +53,10 @@ def test_a_step_reuses_the_memory_the_last_one_freed():
 def test_steps_on_new_threads_reuse_it_with_one_arena():
     # Each thread got an arena of its own, which glibc gave back: the server's pushes faulted their pages in again
     # on every request thread. With the launcher's GLIBC_TUNABLES every thread takes the kept heap.
+    # (measured: 393,248 pages with arenas of their own; 0 with one, at times a few blocks' 16,384 each)
     own_arenas = faults("kept", "threads")
     assert own_arenas > 300_000
-    assert faults("kept", "threads", with_one_arena(None)) < own_arenas / 10
+    assert faults("kept", "threads", with_one_arena(None)) < own_arenas / 4
 
 
 def test_with_one_arena_keeps_the_users_tunables():
