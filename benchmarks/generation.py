@@ -54,7 +54,7 @@ def main() -> None:
 
     server = start_server(model, log_path=f"{tempfile.gettempdir()}/apmpo_generation_server.log", dtype=dtype,
                           max_model_len=1024 if not gpu else None,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          gpu_memory_utilization=args.gpu_memory_utilization, overlap=False,  # as in-process: every core
                           extra_args=("--max-prompts", str(max(4096, args.prompts))))
     try:
         with server.client() as client:
