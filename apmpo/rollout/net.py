@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import queue
 import socket
 import threading
 from concurrent.futures import Future
@@ -52,3 +53,26 @@ def in_thread(fn: Callable[..., Any], *args: Any) -> Future:
 
     threading.Thread(target=target, name=getattr(fn, "__name__", "task"), daemon=True).start()
     return future
+
+
+class OneThread:
+    """Runs what it is given on one daemon thread, in order (exiting never waits for it): where a thread's
+    identity matters, as the CPU engine's (apmpo.rollout.server)."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) on the thread; its result, or its exception raised here."""
+        future: Future = Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future.result()
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._calls.get()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # noqa: BLE001 (the Future carries it)
+                future.set_exception(error)
