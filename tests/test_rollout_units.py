@@ -8,7 +8,7 @@ import torch
 from fastapi import HTTPException
 from pydantic import ValidationError
 
-from apmpo.rollout.net import is_loopback
+from apmpo.rollout.net import OneThread, is_loopback
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
 from apmpo.rollout.weight_sync import (SHM_DIR, WeightGroup, pack, plan_buckets, receive_buckets, select_transport,
                                        send_buckets, unpack)
@@ -114,6 +114,17 @@ def test_shm_not_shared_with_the_engine_is_a_clear_error_on_both_sides():
         send_buckets(group, _plan(named, 256), [t for _, t in named])
     assert "not visible to the engine" in queue.get(timeout=60)
     child.join(timeout=30)
+
+
+def test_one_thread_runs_every_call_on_the_same_daemon_thread_and_raises_their_errors():
+    import threading
+    engine = OneThread("engine")
+    first, second = engine.run(threading.get_ident), engine.run(threading.get_ident)
+    assert first == second != threading.get_ident()
+    assert engine.run(lambda a, *, b: a + b, 2, b=3) == 5
+    with pytest.raises(ZeroDivisionError):
+        engine.run(lambda: 1 / 0)
+    assert engine.run(lambda: threading.current_thread().daemon)  # exiting never waits for it
 
 
 def test_loopback_hosts():

@@ -248,6 +248,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
     device_uuids = compat.collective_rpc(llm, "apmpo_device_uuid", rpc_timeout_s=60)
     expected = ExpectedWeights.of_model(model, engine["dtype"])  # what every push must hold
     engine_lock = threading.Lock()
+    # Generation and the loads of pushed weights and adapters run on it (main()'s comment says why; a push loaded
+    # on another thread left a second team behind: SmolLM2 then generated in 11.5 s instead of 8.4 s).
     engine_thread = engine_thread or OneThread("engine")
     # update: Future of the running weight update; step_at: when a running generate last heard from the engine;
     # group: the transport of the workers' weight group, once joined; broken: why the engine's weights are a mix
@@ -406,8 +408,8 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
             locked.set()
             refuse_unmapped_segment(buckets, in_place)
             try:
-                timings = compat.collective_rpc(llm, "apmpo_receive_weights", rpc_timeout_s=limits.update_timeout_s,
-                                                buckets=buckets, in_place=in_place)
+                timings = engine_thread.run(compat.collective_rpc, llm, "apmpo_receive_weights",
+                                            rpc_timeout_s=limits.update_timeout_s, buckets=buckets, in_place=in_place)
             except Exception as error:
                 # Some layers may hold the new weights: no generation from the mix (on the compiled CPU model a
                 # half-loaded tensor crashed the next one) until a complete push.
@@ -434,8 +436,9 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
                                       dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
             try:
                 try:
-                    timings = compat.collective_rpc(llm, "apmpo_receive_adapter", rpc_timeout_s=limits.update_timeout_s,
-                                                    buckets=buckets, folder=folder, in_place=in_place)
+                    timings = engine_thread.run(compat.collective_rpc, llm, "apmpo_receive_adapter",
+                                                rpc_timeout_s=limits.update_timeout_s, buckets=buckets,
+                                                folder=folder, in_place=in_place)
                 except Exception as error:
                     log.exception("adapter push failed")
                     raise HTTPException(500, f"the adapter push failed before its load, nothing changed: "
@@ -547,7 +550,7 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
         start = time.monotonic()
         version = state["version"] + 1
         try:
-            adapter = compat.add_adapter(llm, f"policy-v{version}", version, path)
+            adapter = engine_thread.run(compat.add_adapter, llm, f"policy-v{version}", version, path)
         except Exception as error:
             log.exception("adapter load failed")
             raise HTTPException(500, f"loading the adapter in {path} failed: {error!r}") from None
