@@ -2,7 +2,7 @@
 
 sentence-transformers is not a dependency, on purpose. It requires scikit-learn and scipy, and once scikit-learn is
 installed transformers imports it in every process that loads a model (for assisted generation's `roc_curve`);
-vLLM imports scipy.signal too. On 2 cores that added 1.5-1.9 s to the start of every server, learner and eval
+vLLM imports scipy.signal too. On 2 cores that added 1.5-2.5 s to the start of every server, learner and eval
 process, for one metric of one eval flag. What ACS needs from the library is small and is read from the folder
 itself:
 
@@ -14,7 +14,7 @@ itself:
   concatenated in sentence-transformers' order when several are on.
 
 Embeddings are always L2-normalised: ACS is a cosine similarity. With all-MiniLM-L6-v2 they equal
-sentence-transformers 6.2's `encode(..., normalize_embeddings=True)` to within 1e-6 (docs/evaluation.md).
+sentence-transformers 6.2's `encode(..., normalize_embeddings=True)` to within 1.5e-8 (docs/evaluation.md).
 """
 from __future__ import annotations
 

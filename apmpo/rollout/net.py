@@ -44,15 +44,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 def in_thread(fn: Callable[..., Any], *args: Any) -> Future:
     """fn(*args) in a daemon thread of its own (never one that exiting would wait for); its Future."""
     future: Future = Future()
-
-    def target() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:  # noqa: BLE001 (the Future carries it)
-            future.set_exception(error)
-
-    threading.Thread(target=target, name=getattr(fn, "__name__", "task"), daemon=True).start()
+    threading.Thread(target=_settle, args=(future, fn, *args), name=getattr(fn, "__name__", "task"),
+                     daemon=True).start()
     return future
+
+
+def _settle(future: Future, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """fn's result, or the exception it raised, into `future`."""
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as error:  # noqa: BLE001 (the Future carries it)
+        future.set_exception(error)
 
 
 class OneThread:
@@ -72,7 +74,4 @@ class OneThread:
     def _serve(self) -> None:
         while True:
             future, fn, args, kwargs = self._calls.get()
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as error:  # noqa: BLE001 (the Future carries it)
-                future.set_exception(error)
+            _settle(future, fn, *args, **kwargs)
