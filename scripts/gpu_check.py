@@ -22,7 +22,9 @@ Covered (nothing here needs vLLM, which the GPU box we borrow cannot carry):
   log_softmax, at vocabulary 151,936 (goal <= 0.25x), and that both give the same log-probs.
 - transport: weights sent with apmpo.rollout.weight_sync over CUDA IPC to a second process on the same GPU and
   received by the engine's receiving code (`receive_buckets`), checked bit for bit; bytes/s against a raw
-  device-to-device copy of the same bytes. (--dry-run: shm, or gloo where /dev/shm is small.)
+  device-to-device copy of the same bytes. Then a LoRA adapter of that model (rank 16 on every linear layer of
+  every block), received by the engine worker's own `apmpo_receive_adapter` into the file vLLM loads, which is
+  read back and compared bit for bit. (--dry-run: shm, or gloo where /dev/shm is small.)
 - learner_fp32_comm: learner_gc with train.communication_data_type fp32 (ZeRO's reduce-scatter in fp32); on one
   GPU the figure is the casts' cost only, a multi-GPU run also sends twice the bytes.
 - zero2_grads: ZeRO-2 gradients on one rank (DeepSpeed's fp32 partition, read with safe_get_full_grad) equal a
@@ -473,9 +475,10 @@ def payload(buckets: list, device: str, seed: int) -> Iterator[torch.Tensor]:
             yield torch.randn(spec.shape, generator=g, device=device, dtype=spec.torch_dtype)
 
 
-def _receive_weights(transport: str, port: int, buckets: list, device: str, rounds: int, seed: int) -> None:
+def _receive_weights(transport: str, port: int, buckets: list, adapter_buckets: list, device: str, rounds: int,
+                     seed: int) -> None:
     """The engine's side, in its own process: round 0 compares every tensor with the sender's, the others only
-    receive (so the timing holds no comparison)."""
+    receive (so the timing holds no comparison); then one adapter push."""
     from apmpo.rollout.weight_sync import WeightGroup, receive_buckets
 
     if device == "cuda":
@@ -493,8 +496,44 @@ def _receive_weights(transport: str, port: int, buckets: list, device: str, roun
                     pass
                 failed = False
             group.barrier(failed=failed)
+        group.barrier(failed=not _received_adapter_is_exact(group, adapter_buckets, device))
     finally:
         group.close()
+
+
+def adapter_buckets_of(model: dict, dtype: torch.dtype, bucket_bytes: int, rank: int = 16) -> list:
+    """A LoRA adapter's tensors for every linear layer of every block, named as PEFT saves them."""
+    from apmpo.rollout.weight_sync import PEFT_PREFIX, plan_buckets
+
+    hidden, ffn = model["hidden_size"], model["intermediate_size"]
+    kv = hidden // model["num_attention_heads"] * model["num_key_value_heads"]
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+              "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+              "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)}
+    specs = []
+    for layer in range(model["num_hidden_layers"]):
+        for module, (out_features, in_features) in shapes.items():
+            name = f"{PEFT_PREFIX}model.layers.{layer}.{module}"
+            specs += [(f"{name}.lora_A.weight", dtype, (rank, in_features)),
+                      (f"{name}.lora_B.weight", dtype, (out_features, rank))]
+    return plan_buckets(specs, bucket_bytes)
+
+
+def _received_adapter_is_exact(group, buckets: list, device: str) -> bool:
+    """The engine worker's own adapter receive (WeightReceiverExtension, as vLLM mixes it into a worker: rank 0,
+    joined to the group) writes the file the server loads; it must hold the sender's tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    from apmpo.rollout.weight_sync import ADAPTER_WEIGHTS, WeightReceiverExtension
+
+    worker = WeightReceiverExtension()
+    worker.rank, worker._apmpo_group = 0, group
+    with tempfile.TemporaryDirectory() as folder:
+        worker.apmpo_receive_adapter([asdict(b) for b in buckets], folder)
+        saved = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    expected = payload(buckets, device, seed=1)
+    return len(saved) == sum(len(b.tensors) for b in buckets) and all(
+        torch.equal(saved[spec.name], next(expected).cpu()) for b in buckets for spec in b.tensors)
 
 
 _TRAINING_CACHE_BYTES = 8 * GiB
@@ -515,9 +554,11 @@ def check_transport(s: Shapes) -> Outcome:
         del cached
         reserved_before = torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
+    adapter_buckets = adapter_buckets_of(s.model, s.dtype, s.bucket_bytes)
     store = WeightGroup.create_master(transport, "127.0.0.1", 2, timeout_s=120)
     receiver = multiprocessing.get_context("spawn").Process(
-        target=_receive_weights, args=(transport, store.port, buckets, s.device, rounds, 0), daemon=True)
+        target=_receive_weights, args=(transport, store.port, buckets, adapter_buckets, s.device, rounds, 0),
+        daemon=True)
     receiver.start()
     group = WeightGroup(transport, "127.0.0.1", store.port, 0, 2, timeout_s=120, store=store)
     times = []
@@ -531,6 +572,9 @@ def check_transport(s: Shapes) -> Outcome:
             times.append(time.perf_counter() - start)
             if failed:
                 raise CheckFailed(f"the receiving process got other bytes than were sent ({transport}, round {k})")
+        send_buckets(group, adapter_buckets, list(payload(adapter_buckets, s.device, seed=1)))
+        if group.barrier():
+            raise CheckFailed(f"the adapter the engine worker wrote holds other bytes than were sent ({transport})")
     finally:
         group.close()
         receiver.join(timeout=60)
@@ -551,9 +595,11 @@ def check_transport(s: Shapes) -> Outcome:
     sent = statistics.median(times[1:])
     figures = {"transport": transport, "bytes": nbytes, "buckets": len(buckets), "bucket_bytes": s.bucket_bytes,
                "seconds": sent, "bytes_per_s": nbytes / sent, "raw_copy_bytes_per_s": nbytes / raw,
-               "ratio_to_raw_copy": raw / sent, **memory}
+               "ratio_to_raw_copy": raw / sent, "adapter_bytes": sum(b.nbytes for b in adapter_buckets), **memory}
     return Outcome(figures, f"{transport} {nbytes / sent / GiB:.2f} GiB/s, raw copy {nbytes / raw / GiB:.2f} GiB/s: "
-                            f"{raw / sent:.0%} ({nbytes / GiB:.2f} GiB in {len(buckets)} buckets, bytes identical)")
+                            f"{raw / sent:.0%} ({nbytes / GiB:.2f} GiB in {len(buckets)} buckets, bytes identical); "
+                            f"a rank-16 adapter ({figures['adapter_bytes'] / 2**20:.0f} MiB) written by the engine "
+                            "worker's receive, bytes identical")
 
 
 def check_zero2_grads(s: Shapes) -> Outcome:
