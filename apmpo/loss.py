@@ -250,9 +250,24 @@ def clip_bounds(advantages: Tensor, log_lo: Tensor | float, log_hi: Tensor | flo
     A = 0 rows are pinned to 0 (they contribute nothing and no gradient). log_lo/log_hi: float, 0-d or [N, 1].
     """
     a = advantages.unsqueeze(-1)
-    lo = torch.where(a > 0, -math.inf, torch.where(a < 0, torch.as_tensor(log_lo, dtype=a.dtype, device=a.device), 0.0))
-    hi = torch.where(a < 0, math.inf, torch.where(a > 0, torch.as_tensor(log_hi, dtype=a.dtype, device=a.device), 0.0))
+    lo = torch.where(a > 0, -math.inf, torch.where(a < 0, _filled(log_lo, a), 0.0))
+    hi = torch.where(a < 0, math.inf, torch.where(a > 0, _filled(log_hi, a), 0.0))
     return lo, hi
+
+
+def _filled(value: Tensor | float, like: Tensor) -> Tensor:
+    """A float as a 0-d tensor like `like`, filled where it lives: copying it there from the host would make
+    the host wait, on a GPU, for every kernel queued before the copy."""
+    return value if isinstance(value, Tensor) else torch.full((), value, dtype=like.dtype, device=like.device)
+
+
+def _per_row(value: Tensor, like: Tensor) -> Tensor | float:
+    """A step parameter (0-d or [N]) to combine with the [N, T] `like`: a 0-d one on the host as a float, which
+    kernels take as an argument; otherwise [N, 1] (or [1, 1]) on like's device, copied without waiting for the
+    kernels queued before it (a blocking copy to a GPU would)."""
+    if value.dim() == 0 and value.device.type == "cpu":
+        return value.item()
+    return value.to(like.device, like.dtype, non_blocking=True).reshape(-1, 1)
 
 
 # --------------------------------------------------------------------------- tokens -> sequence value
@@ -273,9 +288,9 @@ class _LogPowerMeanExact(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, log_x, maskf, pad, p):
-        u = log_x * p  # p: 0-d or [N, 1]
-        u.masked_fill_(pad, -math.inf)
+    def forward(ctx, log_x, maskf, p):
+        u = log_x * p  # p: a float or [N, 1]
+        u.masked_fill_(maskf == 0, -math.inf)
         s = u.amax(dim=-1, keepdim=True)
         e = u.sub_(s).expm1_()  # -1 exactly on padding
         n = maskf.sum(-1, keepdim=True)
@@ -288,7 +303,7 @@ class _LogPowerMeanExact(torch.autograd.Function):
     def backward(ctx, grad_log_m):
         e, denominator = ctx.saved_tensors
         weights = (e + 1).mul_(grad_log_m.unsqueeze(-1) / denominator)
-        return weights, None, None, None
+        return weights, None, None
 
 
 def power_mean(log_x: Tensor, mask: Tensor, p: Tensor | float) -> Tensor:
@@ -301,31 +316,36 @@ def power_mean(log_x: Tensor, mask: Tensor, p: Tensor | float) -> Tensor:
     """
     log_x = _upcast(log_x)
     maskf = mask.to(log_x.dtype)
-    p = torch.as_tensor(p, dtype=log_x.dtype)
+    if not isinstance(p, Tensor) or (p.dim() == 0 and p.device.type == "cpu"):
+        p = float(p)  # one p for every row, passed to the kernels as an argument: one branch
+        return _log_power_mean_series(log_x, maskf, p) if abs(p) < SMALL_P else _LogPowerMeanExact.apply(
+            log_x, maskf, p)
+    # One p per row. Evaluate only the branches some row needs: p comes from rewards on the CPU, so this check
+    # costs no device sync; a p already on an accelerator takes both branches rather than syncing.
     small = p.abs() < SMALL_P
-    # Evaluate only the branches some row needs. p comes from rewards on the CPU, so this check costs no
-    # device sync; a p already on an accelerator takes both branches rather than syncing.
     on_host = p.device.type == "cpu"
     need_series = bool(small.any()) if on_host else True
     need_exact = bool((~small).any()) if on_host else True
-    p, small = p.to(log_x.device), small.to(log_x.device)
-    if p.dim() == 1:  # one p per row
-        p, small = p.unsqueeze(-1), small.unsqueeze(-1)
+    p = _per_row(p.to(log_x.dtype), log_x)
+    if not need_series:
+        return _LogPowerMeanExact.apply(log_x, maskf, p)
+    series = _log_power_mean_series(log_x, maskf, p)
+    if not need_exact:
+        return series
+    small = p.abs() < SMALL_P
+    exact = _LogPowerMeanExact.apply(log_x, maskf, torch.where(small, SMALL_P, p))
+    return torch.where(small.squeeze(-1), series, exact)
 
-    out = None
-    if need_exact:
-        p_safe = torch.where(small, SMALL_P, p)
-        out = _LogPowerMeanExact.apply(log_x, maskf, maskf == 0, p_safe)
-    if need_series:
-        n = maskf.sum(-1, keepdim=True)
-        m = masked_row_sum(log_x, maskf).unsqueeze(-1) / n
-        d = (log_x - m) * maskf
-        d2 = d * d
-        var = d2.sum(-1, keepdim=True) / n
-        k3 = (d2 * d).sum(-1, keepdim=True) / n
-        series = (m + p * var / 2 + p * p * k3 / 6).squeeze(-1)
-        out = series if out is None else torch.where(small.squeeze(-1), series, out)
-    return out
+
+def _log_power_mean_series(log_x: Tensor, maskf: Tensor, p: Tensor | float) -> Tensor:
+    """log M_p for |p| < SMALL_P: the cumulant series m + p var/2 + p^2 k3/6 (see power_mean)."""
+    n = maskf.sum(-1, keepdim=True)
+    m = masked_row_sum(log_x, maskf).unsqueeze(-1) / n
+    d = (log_x - m) * maskf
+    d2 = d * d
+    var = d2.sum(-1, keepdim=True) / n
+    k3 = (d2 * d).sum(-1, keepdim=True) / n
+    return (m + p * var / 2 + p * p * k3 / 6).squeeze(-1)
 
 
 # --------------------------------------------------------------------------- reductions
@@ -443,11 +463,11 @@ def apmpo_loss(logp, old_logp, advantages, mask, cfg, params, *, num_seqs=None, 
     M_p is 1-homogeneous, so sgn(A) M_p(|A| rho') = A M_p(rho') and the power mean runs on log rho' alone.
     Token weights: M_p(w rho') over the kept tokens, log x = log rho' + log w (module docstring).
     """
-    eps_ada = params.eps_ada.to(device=logp.device, dtype=torch.promote_types(logp.dtype, torch.float32))
-    eps_ada = eps_ada.unsqueeze(-1) if eps_ada.dim() == 1 else eps_ada
-    log_lo = torch.log1p(-eps_ada) if cfg.clip_mode == "symmetric" else math.log1p(-cfg.eps_low)
     log_ratio, maskf = _log_ratio(logp, old_logp, mask)
-    log_rho, metrics = _clip(log_ratio, advantages, maskf, log_lo, torch.log1p(eps_ada))
+    eps_ada = _per_row(params.eps_ada, log_ratio)
+    log1p = math.log1p if isinstance(eps_ada, float) else torch.log1p
+    log_lo = log1p(-eps_ada) if cfg.clip_mode == "symmetric" else math.log1p(-cfg.eps_low)
+    log_rho, metrics = _clip(log_ratio, advantages, maskf, log_lo, log1p(eps_ada))
     log_w, kept_mask, kept = _kept_tokens(maskf, token_weights)
     if kept is not None:
         log_rho = log_rho + log_w

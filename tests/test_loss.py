@@ -870,3 +870,43 @@ def test_token_weights_micro_batches_with_global_normalisers_equal_whole_batch(n
         policy_loss(split[rows], old[rows], adv[rows], mask[rows], cfg, params, num_seqs=12, num_tokens=mask.sum(),
                     token_weights=w[rows])[0].backward()
     torch.testing.assert_close(split.grad, whole.grad, rtol=1e-5, atol=1e-8)
+
+
+class _HostCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each blocking copy of a host tensor to another device: on a GPU each one makes the host wait for
+    every kernel queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+        blocking = not (kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True))
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default) and blocking:
+            target = args[0].device if func is torch.ops.aten.copy_.default else out.device
+            if source.device.type == "cpu" and target.type != "cpu":
+                self.copies.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("scope", ["batch", "group"])
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_no_loss_makes_a_blocking_copy_from_the_host(name, scope):
+    """The step's p and eps come from rewards on the CPU; logp lives on the accelerator (here the meta device,
+    where such copies dispatch as they do to CUDA). On an H200 APMPO made 4 host syncs per call this way, and
+    every loss 2 more through torch.as_tensor(float, device=...) in clip_bounds, whose copy a dispatch mode
+    does not see (torch.cuda.set_sync_debug_mode found those; now none)."""
+    g = torch.Generator().manual_seed(0)
+    rewards = (torch.rand(4, 4, generator=g) > 0.5).float()
+    cfg = LossConfig(name=name, stats_scope=scope, token_budget=16)
+    params = adaptive_params(rewards, cfg).per_sequence(torch.arange(16) // 4)
+    advantages = advantages_for(rewards, cfg).flatten().to("meta")
+    logp = torch.empty(16, 8, device="meta", requires_grad=True)
+    old, mask = torch.empty(16, 8, device="meta"), torch.ones(16, 8, dtype=torch.bool, device="meta")
+    with _HostCopies() as mode:
+        loss, _ = policy_loss(logp, old, advantages, mask, cfg, params)
+        loss.backward()
+    assert mode.copies == []
