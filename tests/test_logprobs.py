@@ -269,7 +269,9 @@ def big_vocab():
     return model, batch, int(batch[2].sum()) * VOCAB  # elements of the scored tokens' full logits
 
 
-def test_chunked_never_materialises_full_logits(big_vocab):
+def test_chunked_never_materialises_full_logits(big_vocab, monkeypatch):
+    """Past KEEP_LOGPROBS_BYTES (paper-scale micro-batches), the backward recomputes each chunk's logits."""
+    monkeypatch.setattr(logprobs_module, "KEEP_LOGPROBS_BYTES", 0)
     model, batch, full = big_vocab
     largest, saved = memory_footprint(lambda: token_logprobs(model, *batch, chunk_tokens=CHUNK, with_entropy=True)[0])
     assert largest <= CHUNK * VOCAB  # no op, forward or backward, makes more than one chunk's logits
@@ -284,10 +286,49 @@ def test_memory_detectors_catch_full_and_kept_logits(big_vocab, monkeypatch):
     largest, saved = memory_footprint(lambda: reference(model, *batch, 1.0)[0])
     assert largest >= full and saved >= full
 
-    def chunk_without_recompute(h, weight, y, temperature, with_entropy, bias):  # a text model: bias None
+    def chunk_without_recompute(h, weight, y, temperature, with_entropy, bias, keep):  # a text model: no bias
         logprobs = torch.log_softmax((h @ weight.T).float() / temperature, dim=-1)
         return logprobs.gather(-1, y[:, None]).squeeze(-1), None
 
     monkeypatch.setattr(logprobs_module._ChunkLogprobs, "apply", chunk_without_recompute)
     largest, saved = memory_footprint(lambda: token_logprobs(model, *batch, chunk_tokens=CHUNK)[0])
     assert largest <= CHUNK * VOCAB and saved >= full
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_a_kept_log_softmax_gives_the_recomputed_values_and_gradients_bit_for_bit(big_vocab, monkeypatch,
+                                                                                   with_entropy, temperature):
+    """Within KEEP_LOGPROBS_BYTES the backward reuses the forward's log-softmax instead of running the head again:
+    the same numbers, the logits kept (every scored token's), and one matmul fewer in the backward."""
+    model, batch, full = big_vocab
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with MatmulCount() as count:
+            logp, entropy = token_logprobs(model, *batch, temperature=temperature, chunk_tokens=CHUNK,
+                                           with_entropy=with_entropy)
+            (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        return logp, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}, count.calls
+
+    monkeypatch.setattr(logprobs_module, "KEEP_LOGPROBS_BYTES", 0)
+    recomputed = run()
+    monkeypatch.setattr(logprobs_module, "KEEP_LOGPROBS_BYTES", 4 * full)
+    kept = run()
+    assert torch.equal(kept[0], recomputed[0])
+    assert (kept[1] is None and recomputed[1] is None) or torch.equal(kept[1], recomputed[1])
+    assert kept[2].keys() == recomputed[2].keys() and all(torch.equal(kept[2][n], recomputed[2][n]) for n in kept[2])
+    chunks = -(-int(batch[2].sum()) // CHUNK)
+    assert recomputed[3] - kept[3] == chunks  # the head's matmul, once per chunk
+    _, saved = memory_footprint(lambda: token_logprobs(model, *batch, chunk_tokens=CHUNK)[0])
+    assert saved >= full
+
+
+class MatmulCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))

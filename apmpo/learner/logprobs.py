@@ -6,7 +6,9 @@ backbone runs once, only the hidden states that predict scored tokens are kept, 
 upcast, the temperature and the log-softmax run over `chunk_tokens` of them at a time. A small autograd
 Function keeps nothing of a chunk's logits but its logsumexp and recomputes them in the backward, so peak
 memory is about two `[chunk_tokens, vocab]` fp32 buffers, whatever the token count (1024 x 151,936 fp32 is
-0.6 GB). Under `torch.no_grad()` (old and reference log-probs) the same code is just a loop over chunks.
+0.6 GB). Only where all of a call's log-softmax fits in `KEEP_LOGPROBS_BYTES` (1 GiB: SmolLM2's update on CPU,
+not a paper-scale micro-batch) is it kept, and the backward skips the head's matmul. Under `torch.no_grad()`
+(old and reference log-probs) the same code is just a loop over chunks.
 
 Numerics match `log_softmax(model(ids).logits.float() / T)`: the head runs in the model's dtype (bf16 on
 GPU), the softmax in fp32. A vision-language model's placeholder tokens get the server's logit bias first
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+KEEP_LOGPROBS_BYTES = 2**30  # the backward reuses the forward's log-softmax where all of a call's fit in this
 
 
 def token_logprobs(
@@ -80,10 +84,14 @@ def token_logprobs(
         raise ValueError("the LM head has a bias; chunked log-probs support bias-free heads (Qwen, Llama)")
     bias = never_sampled_bias(model.config, head.weight.shape[0], head.weight.device)
 
+    # Where every chunk's log-softmax fits KEEP_LOGPROBS_BYTES together, the backward reuses them rather than run
+    # the head again: one [tokens, vocab] matmul less (a fifth of SmolLM2's update on CPU; paper-scale
+    # micro-batches, 10 GB of them, recompute).
+    keep = torch.is_grad_enabled() and targets.numel() * head.weight.shape[0] * 4 <= KEEP_LOGPROBS_BYTES
     logps, entropies = [], []
     for start in range(0, targets.numel(), chunk_tokens):
         h, y = states[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        logp, entropy = _ChunkLogprobs.apply(h, head.weight, y, temperature, with_entropy, bias)
+        logp, entropy = _ChunkLogprobs.apply(h, head.weight, y, temperature, with_entropy, bias, keep)
         logps.append(logp)
         entropies.append(entropy)
 
@@ -223,35 +231,39 @@ def pack(lengths: list[int], prompt_of: list[int], width: int) -> tuple[list[int
 
 
 class _ChunkLogprobs(torch.autograd.Function):
-    """log pi(y | h) and entropy of one chunk; saves only (h, weight, y, logsumexp) and recomputes the logits in the
-    backward, where d logp / d logits = onehot(y) - softmax is built in place in one [chunk, vocab] fp32 buffer.
-    (Autograd through log_softmax + gather would hold three or four such buffers at once.)"""
+    """log pi(y | h) and entropy of one chunk. Saves (h, weight, y) and either the chunk's [chunk, vocab] fp32
+    log-softmax (`keep`) or only its logsumexp, recomputing the logits in the backward; there
+    d logp / d logits = onehot(y) - softmax is built in place in one such buffer. (Autograd through log_softmax +
+    gather would hold three or four of them at once.)"""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, y: Tensor, temperature: float, with_entropy: bool,
-                bias: Tensor | None):
+                bias: Tensor | None, keep: bool):
         logits = _scaled_logits(h, weight, temperature, bias)  # [chunk, vocab] fp32
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(-1, y[:, None]).squeeze(-1) - lse
         entropy = logp.new_empty(0)
+        log_probs = logits.sub_(lse[:, None]) if with_entropy or keep else None
         if with_entropy:
-            log_probs = logits.sub_(lse[:, None])
             entropy = -log_probs.exp().mul_(log_probs).sum(-1)
         ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(h, weight, y, lse)
-        ctx.temperature, ctx.bias = temperature, bias
+        ctx.save_for_backward(h, weight, y, log_probs if keep else lse)
+        ctx.temperature, ctx.bias, ctx.keep = temperature, bias, keep
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
-        h, weight, y, lse = ctx.saved_tensors
+        h, weight, y, saved = ctx.saved_tensors
         scale = grad_logp[:, None] / ctx.temperature  # the 1/T of logits = head(h) / T
-        grad = _scaled_logits(h, weight, ctx.temperature, ctx.bias).sub_(lse[:, None]).exp_().mul_(-scale)  # -g p / T
-        grad.scatter_add_(-1, y[:, None], scale)  # + g onehot(y) / T
+        if ctx.keep:
+            grad = saved.exp()  # softmax, from the forward's log-softmax
+        else:  # saved: the logsumexp
+            grad = _scaled_logits(h, weight, ctx.temperature, ctx.bias).sub_(saved[:, None]).exp_()
+        grad.mul_(-scale).scatter_add_(-1, y[:, None], scale)  # -g p / T + g onehot(y) / T
         grad = grad.to(h.dtype)  # the matmuls run in the model's dtype, as autograd through head(h).float() would
         grad_h = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.T @ h if ctx.needs_input_grad[1] else None
-        return grad_h, grad_weight, None, None, None, None
+        return grad_h, grad_weight, None, None, None, None, None
 
 
 def _scaled_logits(h: Tensor, weight: Tensor, temperature: float, bias: Tensor | None = None) -> Tensor:
@@ -259,4 +271,4 @@ def _scaled_logits(h: Tensor, weight: Tensor, temperature: float, bias: Tensor |
     logits = (h @ weight.T).float()
     if bias is not None:
         logits.add_(bias)
-    return logits.div_(temperature)
+    return logits.div_(temperature) if temperature != 1.0 else logits  # / 1.0 is exact: a pass saved
