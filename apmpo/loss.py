@@ -326,7 +326,7 @@ def power_mean(log_x: Tensor, mask: Tensor, p: Tensor | float) -> Tensor:
     on_host = p.device.type == "cpu"
     need_series = bool(small.any()) if on_host else True
     need_exact = bool((~small).any()) if on_host else True
-    p = _per_row(p.to(log_x.dtype), log_x)
+    p = _per_row(p, log_x)  # [N, 1] in log_x's dtype, on its device
     if not need_series:
         return _LogPowerMeanExact.apply(log_x, maskf, p)
     series = _log_power_mean_series(log_x, maskf, p)
