@@ -11,6 +11,13 @@ raw per-step values, thick ones their exponential moving average (`--smooth`, de
 it off). A RUN_DIR holds metrics.jsonl (runs/<name>/, as launch/train.py writes it); the metrics.jsonl file
 itself may be passed. Legend labels: `--labels`, else the run directories' names, made distinct with the loss
 name from config.yaml or the parent folder.
+
+Several runs per label (seeds): runs given the same label are drawn as one line, their mean at each step they all
+logged, with a band from their minimum to their maximum (the paper's Figure 1 over seeds). A study folder
+(`python -m apmpo.study --out DIR`) stands for all its runs, labelled by method:
+
+    python -m apmpo.plot studies/smollm2_arith --out curves.png
+    python -m apmpo.plot runs/a0 runs/a1 runs/g0 runs/g1 --labels APMPO,APMPO,GRPO,GRPO
 """
 from __future__ import annotations
 
@@ -102,6 +109,46 @@ def _loss_name(run_dir: Path) -> str | None:
     return loss.get("name") if isinstance(loss, dict) else None
 
 
+def panel_series(metrics: dict[int, dict], key: str, smooth: float) -> tuple[list[int], list[float]]:
+    """What a panel draws of one run: the cumulative sum of time/step, validation points as they are, and the
+    smoothed values of every other metric."""
+    steps, values = series(metrics, key)
+    if key == "time/step":
+        return steps, [sum(values[:i + 1]) for i in range(len(values))]
+    if key.startswith("val/"):
+        return steps, values
+    return steps, smoothed(values, smooth, log_like=key == "apmpo/fss")
+
+
+def band(curves: list[tuple[list[int], list[float]]], scale: float = 1.0):
+    """Steps every curve has, and there the mean, minimum and maximum over the curves (divided by `scale`)."""
+    common = sorted(set.intersection(*(set(steps) for steps, _ in curves)))
+    at = [dict(zip(steps, values)) for steps, values in curves]
+    columns = [[a[s] / scale for a in at] for s in common]
+    return common, [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
+
+
+def expand_studies(paths: list[Path]) -> tuple[list[Path], list[str] | None]:
+    """A study folder (with study.json) stands for its runs (runs/METHOD/seed_S), labelled by method; other paths
+    stay as they are. Returns the runs, and their labels when a study was given."""
+    runs, labels, any_study = [], [], False
+    for path in paths:
+        if (path / "study.json").is_file():
+            any_study = True
+            found = sorted(p.parent for p in path.glob("runs/*/seed_*/metrics.jsonl"))
+            if not found:
+                raise FileNotFoundError(f"the study {path} has no run with metrics.jsonl yet")
+            runs += found
+            labels += [p.parent.name for p in found]
+        else:
+            runs.append(path)
+            labels.append(None)
+    if not any_study:
+        return runs, None
+    names = iter(run_labels([r for r, label in zip(runs, labels) if label is None]))
+    return runs, [label if label is not None else next(names) for label in labels]
+
+
 def time_scale(seconds: float) -> tuple[float, str]:
     return (1.0, "s") if seconds < 180 else (60.0, "min") if seconds < 3 * 3600 else (3600.0, "h")
 
@@ -113,8 +160,14 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    runs, study_labels = expand_studies(runs)
     data = [read_metrics(run) for run in runs]
-    labels = labels or run_labels(runs)
+    if labels and len(labels) != len(runs):
+        raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
+    labels = labels or study_labels or run_labels(runs)
+    groups: dict[str, list[dict[int, dict]]] = {}
+    for label, metrics in zip(labels, data):
+        groups.setdefault(label, []).append(metrics)
     colors = plt.get_cmap("tab10").colors
     total_time = max((sum(series(m, "time/step")[1]) for m in data), default=0.0)
     scale, unit = time_scale(total_time)
@@ -126,23 +179,22 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
         ax.set_visible(False)
     for ax, (key, panel_title, ylabel) in zip(axes.flat, panels):
         drawn = False
-        for i, metrics in enumerate(data):
-            steps, values = series(metrics, key)
-            if not steps:
-                continue
+        for i, members in enumerate(groups.values()):
             color = colors[i % len(colors)]
+            curves = [panel_series(metrics, key, smooth) for metrics in members]
+            curves = [c for c in curves if c[0]]
+            if not curves:
+                continue
             if key == "time/step":
-                cumulative, total = [], 0.0
-                for value in values:
-                    total += value
-                    cumulative.append(total / scale)
-                ax.plot(steps, cumulative, color=color, linewidth=2.2)
                 ylabel = f"cumulative time ({unit})"
-            elif key.startswith("val/"):  # a few points, one per validation
-                ax.plot(steps, values, color=color, linewidth=2.2, marker="o", markersize=4)
-            else:
-                ax.plot(steps, values, color=color, linewidth=0.8, alpha=0.35)
-                ax.plot(steps, smoothed(values, smooth, log_like=key == "apmpo/fss"), color=color, linewidth=2.2)
+            steps, mean, low, high = band(curves, scale if key == "time/step" else 1.0)
+            marker = dict(marker="o", markersize=4) if key.startswith("val/") else {}
+            if len(curves) > 1:
+                ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
+            elif key not in ("time/step",) and not key.startswith("val/"):
+                raw_steps, raw = series(members[0], key)
+                ax.plot(raw_steps, raw, color=color, linewidth=0.8, alpha=0.35)
+            ax.plot(steps, mean, color=color, linewidth=2.2, **marker)
             drawn = True
         if key == "apmpo/fss" and drawn and max(max(series(m, key)[1], default=0) for m in data) > 100:
             ax.set_yscale("symlog", linthresh=10)  # FSS explodes when a batch's rewards barely vary
@@ -153,7 +205,8 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
         ax.set_ylabel(ylabel, fontsize=11)
         ax.tick_params(labelsize=10)
         ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], color=colors[i % len(colors)], linewidth=2.5) for i in range(len(data))]
+    labels = [f"{label} ({len(members)} runs)" if len(members) > 1 else label for label, members in groups.items()]
+    handles = [plt.Line2D([], [], color=colors[i % len(colors)], linewidth=2.5) for i in range(len(labels))]
     # below the panels when a title takes the top: constrained layout does not stack a suptitle and a legend there
     fig.legend(handles, labels, loc="outside lower center" if title else "outside upper center",
                ncol=min(len(labels), 6), fontsize=12, frameon=False)
@@ -168,7 +221,7 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m apmpo.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories (runs/<name>)")
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories (runs/<name>) or study folders")
     parser.add_argument("--out", type=Path, default=Path("dynamics.png"), help="image file (.png, .pdf, .svg)")
     parser.add_argument("--labels", help="comma-separated legend labels, one per run")
     parser.add_argument("--smooth", type=float, default=0.9, help="EMA weight in [0, 1): 0 = no smoothing")
@@ -176,8 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dpi", type=int, default=130)
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else None
-    if labels and len(labels) != len(args.runs):
-        parser.error(f"{len(labels)} labels for {len(args.runs)} runs")
     if not 0 <= args.smooth < 1:
         parser.error("--smooth must lie in [0, 1)")
     try:

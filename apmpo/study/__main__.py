@@ -1,0 +1,586 @@
+"""Compare methods over seeds: train every (method, seed), evaluate each run, report differences with intervals.
+
+    python -m apmpo.study --config configs/smollm2_arith.yaml --out studies/smollm2_arith \
+        --methods apmpo,grpo,dapo,gmpo --seeds 0,1,2
+    python -m apmpo.study --out studies/smollm2_arith --methods pmpo_only,fac_only --seeds 0,1   # same folder: more
+    python -m apmpo.study --out studies/smollm2_arith --methods apmpo_bf16 --variant "apmpo_bf16: model.dtype=bf16"
+    python -m apmpo.study --out studies/smollm2_arith --report [--reference grpo]   # the report alone
+
+A method is a loss name (apmpo, grpo, dapo, gmpo, gspo, dr_grpo: `loss.name=NAME`), one of the built-in variants
+(`dapo` also samples dynamically as the paper's DAPO runs; `pmpo_only` and `fac_only` are the paper's ablations),
+or a variant of yours: `--variant "NAME: key=value key=value"`, --set overrides on top of the base config.
+
+Each (method, seed) is one run in OUT/runs/METHOD/seed_S: `launch/train.py` with `train.seed` and `data.seed` set
+to S, so that runs sharing a seed see the same prompts in the same order (the report pairs them); then
+`python -m apmpo.eval` on its last policy and on its best by validation (checkpoint.keep_best), on the base
+config's validation benchmarks, all problems (--eval-limit), --eval-n samples at the validation's temperature,
+one eval sampling seed shared by every run. A run is finished once its result.json is written; a killed study
+goes on where it stopped: a finished run is never rerun, a run killed mid-training resumes from its last
+checkpoint (every --save-every steps), an evaluation from its samples so far. OUT/study.json records the base
+config, the shared --set and each method's overrides: a later call may add methods and seeds, and refuses to
+change what earlier runs were trained with. A run's checkpoints are deleted once it is evaluated, unless
+--keep-checkpoints (a 135M model's take 2.7 GB a run). OUT/.gitignore leaves out checkpoints, logs and samples, so the folder can be committed
+as runs finish.
+
+Runs go one after another. On a machine with several GPUs, --parallel "0+1;2+3" runs as many at once as it has
+groups: each group is the learner's GPUs, then after "+" its generation servers' (rollout.devices); a group
+without "+" shares its first GPU with one server (CUDA IPC). The learner starts under `deepspeed --include`.
+
+After every finished run it rewrites OUT/report.md and OUT/report.json (apmpo/study/report.py) and, if matplotlib
+is installed, OUT/curves.png (python -m apmpo.plot OUT: each method's mean over seeds with its min-max band).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from apmpo.study import report as study_report
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/train.py
+BUILTIN_VARIANTS = {  # as configs/paper: DAPO with dynamic sampling, the ablations of APMPO's two parts
+    "dapo": ("loss.name=dapo", "rollout.dynamic_sampling=true"),
+    "pmpo_only": ("loss.name=apmpo", "loss.fac=false"),
+    "fac_only": ("loss.name=apmpo", "loss.pmpo=false"),
+}
+# Keys a study sets itself, per run: they place and checkpoint the run, and never change what it learns.
+BOOKKEEPING = ("logging", "checkpoint", "train.resume", "derived")
+
+
+class StudyError(Exception):
+    """A study that cannot run as asked; the message names the option at fault."""
+
+
+def log(message: str) -> None:
+    print(f"[apmpo.study] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------- what to run
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every run of a study shares; kept in study.json and checked on every later call."""
+    config: str
+    set: tuple[str, ...] = ()
+    eval_n: int = 16
+    eval_limit: int | None = None
+    eval_seeds: tuple[int, ...] = (0,)
+    save_every: int = 10
+
+
+@dataclass
+class Run:
+    method: str
+    seed: int
+    method_overrides: tuple[str, ...]
+    overrides: tuple[str, ...]  # the method's, then the study's --set, then the run's own
+    dir: Path
+    cfg: object = None  # apmpo.config.Config, resolved at start: a bad config fails before anything runs
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} seed {self.seed}"
+
+    @property
+    def result_path(self) -> Path:
+        return self.dir / "result.json"
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """ "pmpo_only: loss.fac=false loss.x=y" -> ("pmpo_only", ("loss.fac=false", "loss.x=y"))."""
+    name, sep, rest = text.partition(":")
+    name = name.strip()
+    overrides = tuple(shlex.split(rest))
+    if not sep or not name.isidentifier() or not overrides or not all("=" in o for o in overrides):
+        raise StudyError(f"--variant {text!r}: expected 'NAME: key=value [key=value ...]', e.g. "
+                         "'pmpo_only: loss.fac=false'")
+    return name, overrides
+
+
+def method_overrides(name: str, variants: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    from apmpo.loss import POLICY_LOSSES
+
+    if name in variants:
+        return variants[name]
+    if name in BUILTIN_VARIANTS:
+        return BUILTIN_VARIANTS[name]
+    if name in POLICY_LOSSES:
+        return (f"loss.name={name}",)
+    raise StudyError(f"--methods: {name!r} is neither a loss ({', '.join(POLICY_LOSSES)}), a built-in variant "
+                     f"({', '.join(BUILTIN_VARIANTS)}) nor defined with --variant \"{name}: key=value ...\"")
+
+
+def load_study(out: Path, settings: Settings | None, methods: dict[str, tuple[str, ...]]) -> tuple[Settings, dict]:
+    """Merges this call into OUT/study.json: the shared settings must be those of earlier calls, a method already
+    there keeps its overrides. Returns the settings and every method of the study."""
+    path = out / "study.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        old = Settings(**{**saved["settings"], "set": tuple(saved["settings"]["set"]),
+                          "eval_seeds": tuple(saved["settings"]["eval_seeds"])})
+        if settings is not None and settings != old:
+            changed = [k for k in Settings.__dataclass_fields__ if getattr(settings, k) != getattr(old, k)]
+            raise StudyError(f"{out} was run with other settings ({', '.join(changed)}: "
+                             f"{[getattr(old, k) for k in changed]}); run them in another --out")
+        known = {k: tuple(v) for k, v in saved["methods"].items()}
+        for name, overrides in methods.items():
+            if name in known and known[name] != overrides:
+                raise StudyError(f"method {name!r} of {out} was trained with {list(known[name])}, not "
+                                 f"{list(overrides)}: give the new variant another name")
+        settings = old
+        methods = known | methods
+    elif settings is None:
+        raise StudyError(f"{path} does not exist: a new study needs --config")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings.__dict__, "methods": methods}, indent=1) + "\n")
+    ignore = out / ".gitignore"
+    if not ignore.exists():  # what a commit of the study folder leaves out: large, and not needed by the report
+        ignore.write_text("checkpoints/\ntensorboard/\n*.log\nsamples.jsonl\n*.tmp\n")
+    return settings, methods
+
+
+def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]], asked: list[str],
+              seeds: list[int]) -> list[Run]:
+    """Every asked (method, seed), its config resolved now (a bad one raises ConfigError naming the key), and
+    checked against what an earlier call trained it with (its config.yaml). Seed by seed: a study stopped early
+    holds whole pairs for the report."""
+    from apmpo.config import load_config
+
+    runs = []
+    for seed in seeds:
+        for method in asked:
+            run_dir = out / "runs" / method / f"seed_{seed}"
+            overrides = (*methods[method], *settings.set, f"train.seed={seed}", f"data.seed={seed}",
+                         f"logging.output_dir={run_dir.parent}", f"logging.run_name={run_dir.name}",
+                         "train.resume=auto", f"checkpoint.save_every={settings.save_every}", "checkpoint.keep_last=1")
+            cfg = load_config(settings.config, overrides)
+            if cfg.eval.every and cfg.checkpoint.keep_best is None:  # the best policy by validation is evaluated
+                key = f"val/{cfg.eval.benchmarks.split(',')[0].split('=')[0]}/pass@1"
+                overrides += (f"checkpoint.keep_best={key}",)
+                cfg = load_config(settings.config, overrides)
+            run = Run(method, seed, methods[method], overrides, run_dir, cfg)
+            _check_same_config(run)
+            runs.append(run)
+    return runs
+
+
+def _check_same_config(run: Run) -> None:
+    saved = run.dir / "config.yaml"
+    if not saved.is_file():
+        return
+    import yaml
+
+    def learning(d: dict) -> dict:
+        flat = _flatten(d)
+        return {k: v for k, v in flat.items() if not k.startswith(BOOKKEEPING)}
+
+    old, new = learning(yaml.safe_load(saved.read_text())), learning(run.cfg.to_dict())
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        raise StudyError(f"{run.dir} was trained with another config: {', '.join(changed[:6])} "
+                         f"(was {[old.get(k) for k in changed[:6]]}, now {[new.get(k) for k in changed[:6]]}); "
+                         "delete that run folder to train it again")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# ---------------------------------------------------------------------------- one run: train, evaluate, record
+
+
+def trained(run: Run) -> bool:
+    return (run.dir / "checkpoints" / f"step_{run.cfg.train.steps}" / "hf" / "config.json").is_file()
+
+
+def best_record(run: Run) -> dict | None:
+    path = run.dir / "checkpoints" / "best" / "best.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def commands(run: Run, settings: Settings, slot: Slot):
+    """The run's processes, one after another: (what, argv, env). Generated lazily: each step looks at what the
+    previous one left on disk."""
+    cfg = run.cfg
+    if not trained(run):
+        argv = [sys.executable, str(ROOT / "launch" / "train.py")]
+        if slot.learner:
+            argv = [shutil.which("deepspeed") or "deepspeed", "--include", f"localhost:{slot.learner}",
+                    "--master_port", str(slot.port), str(ROOT / "launch" / "train.py")]
+        overrides = run.overrides + ((f"rollout.devices={slot.servers}",) if slot.servers else ())
+        yield "training", argv + ["--config", cfg_path(settings)] + [a for o in overrides for a in ("--set", o)], None
+    best = best_record(run)
+    last_step = cfg.train.steps
+    targets = [("last", run.dir / "checkpoints" / f"step_{last_step}", last_step)]
+    if best is not None and best["step"] != last_step:
+        targets.append(("best", run.dir / "checkpoints" / "best", best["step"]))
+    for which, checkpoint, _ in targets:
+        if (run.dir / "eval" / which / "results.json").is_file():
+            continue
+        yield f"eval {which}", eval_argv(run, settings, slot, which, checkpoint), None
+    write_result(run, settings, targets, best)
+
+
+def cfg_path(settings: Settings) -> str:
+    return str(Path(settings.config).resolve())
+
+
+def eval_argv(run: Run, settings: Settings, slot: Slot, which: str, checkpoint: Path) -> list[str]:
+    e, r = run.cfg.eval, run.cfg.rollout
+    argv = [sys.executable, "-m", "apmpo.eval", "--model", str(checkpoint), "--benchmarks", e.benchmarks,
+            "--out", str(run.dir / "eval" / which), "--label", f"{run.method} seed {run.seed} {which}",
+            "--n", str(settings.eval_n), "--seeds", ",".join(map(str, settings.eval_seeds)),
+            "--temperature", str(e.temperature), "--top-p", str(e.top_p), "--max-tokens", str(e.max_tokens),
+            "--max-model-len", str(r.max_model_len), "--reward-workers", str(r.reward_workers),
+            "--reward-timeout-s", str(r.reward_timeout_s)]
+    if settings.eval_limit is not None:
+        argv += ["--limit", str(settings.eval_limit)]
+    if e.reward is not None:
+        argv += ["--reward", e.reward]
+    if run.cfg.data.env is not None:
+        d = run.cfg.data
+        argv += ["--env", d.env, "--max-turns", str(d.max_turns), "--max-episode-tokens", str(d.max_episode_tokens),
+                 "--env-timeout-s", str(d.env_timeout_s)]
+    if r.enforce_eager:
+        argv.append("--enforce-eager")
+    if slot.learner:
+        argv += ["--devices", slot.servers or slot.learner.split(",")[0]]
+    return argv
+
+
+def write_result(run: Run, settings: Settings, targets: list, best: dict | None) -> None:
+    """result.json, the run's record for the report (per-problem correct counts, the validation curve), then the
+    checkpoints go unless --keep-checkpoints."""
+    evals = {}
+    for which, _, step in targets:
+        evals[which] = {"step": step, **_correct_counts(run.dir / "eval" / which)}
+    if "best" not in evals and best is not None:  # the best policy was the last one
+        evals["best"] = evals["last"]
+    metrics = _read_metrics(run.dir / "metrics.jsonl")
+    key = run.cfg.checkpoint.keep_best
+    result = {
+        "method": run.method, "seed": run.seed, "overrides": list(run.method_overrides),
+        "steps": run.cfg.train.steps, "validation_key": key,
+        "validation": [[s, m[key]] for s, m in metrics.items() if key and isinstance(m.get(key), (int, float))],
+        "train_seconds": round(sum(m.get("time/step", 0.0) for m in metrics.values()), 1),
+        "seconds": round(_elapsed(run), 1), "eval": evals,
+    }
+    tmp = run.result_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(run.result_path)
+
+
+def _elapsed(run: Run) -> float:
+    """Wall time of the run across calls of the study: kept in elapsed.json as it goes."""
+    path = run.dir / "elapsed.json"
+    before = json.loads(path.read_text())["seconds"] if path.is_file() else 0.0
+    return before + time.monotonic() - run.started
+
+
+def _save_elapsed(run: Run) -> None:
+    path = run.dir / "elapsed.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"seconds": _elapsed(run)}) + "\n")
+    run.started = time.monotonic()
+
+
+def _correct_counts(eval_dir: Path) -> dict:
+    """From apmpo.eval's results.json and samples.jsonl: n, the k values, and per benchmark the number of correct
+    samples of each problem, summed over the eval seeds (n counts them all)."""
+    results = json.loads((eval_dir / "results.json").read_text())
+    s = results["settings"]
+    counts: dict[str, dict[int, int]] = {b: {} for b in results["benchmarks"]}
+    seeds = set(s["seeds"])
+    with open(eval_dir / "samples.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["benchmark"] in counts and row["seed"] in seeds and row["sample"] < s["n"]:
+                per = counts[row["benchmark"]]
+                per[row["index"]] = per.get(row["index"], 0) + bool(row["correct"])
+    return {"n": s["n"] * len(s["seeds"]), "k": s["k"],
+            "benchmarks": {b: {"correct": [per[i] for i in sorted(per)],
+                               "pass@1": results["benchmarks"][b]["pass@1"]["mean"],
+                               "mean_tokens": results["benchmarks"][b]["mean_tokens"]}
+                           for b, per in counts.items()}}
+
+
+def _read_metrics(path: Path) -> dict[int, dict]:
+    from apmpo.plot import read_metrics
+
+    try:
+        return read_metrics(path)
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+# ---------------------------------------------------------------------------- slots and processes
+
+
+@dataclass
+class Slot:
+    """Where a run goes: nothing on CPU; on GPUs, the learner's devices and the servers' (None: shared)."""
+    learner: str | None = None
+    servers: str | None = None
+    port: int = 29500
+
+
+def parse_parallel(text: str | None) -> list[Slot]:
+    if text is None:
+        return [Slot()]
+    slots = []
+    for k, group in enumerate(text.split(";")):
+        learner, _, servers = group.partition("+")
+        ids = [d.strip() for d in learner.split(",")] + ([d.strip() for d in servers.split(",")] if servers else [])
+        if not all(d.isdigit() for d in ids):
+            raise StudyError(f"--parallel {text!r}: group {group!r} is not 'GPUS' or 'GPUS+SERVER_GPUS' "
+                             "(e.g. '0+1;2+3' or '0,1+2')")
+        slots.append(Slot(",".join(ids[:len(learner.split(","))]), servers.replace(" ", "") or None, 29500 + 10 * k))
+    named = [d for s in slots for d in (s.learner + "," + (s.servers or "")).split(",") if d]
+    if len(set(named)) != len(named):
+        raise StudyError(f"--parallel {text!r} names a GPU twice: every group needs GPUs of its own")
+    return slots
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: a SIGINT when the study dies, however (SIGKILL too), so that a training run and
+    its servers stop as on Ctrl-C and nothing outlives the study."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Active:
+    run: Run
+    steps: object  # the run's commands() generator
+    slot: Slot
+    what: str = ""
+    process: subprocess.Popen | None = None
+    log_file: object = None
+    seen_validations: int = 0
+
+
+def start_next(active: Active) -> bool:
+    """Starts the run's next process; False when the run has none left (it is finished)."""
+    try:
+        what, argv, env = next(active.steps)
+    except StopIteration:
+        return False
+    active.what = what
+    log_path = active.run.dir / ("train.log" if what == "training" else f"{what.replace(' ', '_')}.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    active.log_file = open(log_path, "ab")
+    log(f"  {active.run.name}: {what} (log: {log_path})")
+    active.process = subprocess.Popen(argv, stdout=active.log_file, stderr=subprocess.STDOUT, env=env,
+                                      cwd=ROOT, preexec_fn=_die_with_parent)
+    return True
+
+
+def report_progress(active: Active) -> None:
+    """A line for each new validation of a training run."""
+    if active.what != "training":
+        return
+    metrics = _read_metrics(active.run.dir / "metrics.jsonl")
+    key = active.run.cfg.checkpoint.keep_best
+    validations = [(s, m[key]) for s, m in metrics.items() if key and isinstance(m.get(key), (int, float))]
+    if len(validations) > active.seen_validations:
+        active.seen_validations = len(validations)
+        step, value = validations[-1]
+        reward = metrics[step].get("reward/mean")
+        log(f"  {active.run.name}: step {step}/{active.run.cfg.train.steps}, {key} {value:.3f}"
+            + (f", reward/mean {reward:.3f}" if isinstance(reward, (int, float)) else ""))
+
+
+def eta(runs: list[Run], left: list[Run], active: list[Active]) -> str:
+    done = [json.loads(r.result_path.read_text())["seconds"] for r in runs if r.result_path.is_file()]
+    if not done:
+        return "ETA after the first run"
+    per_run = statistics.fmean(done)
+    remaining = per_run * len(left)
+    for a in active:
+        steps = len(_read_metrics(a.run.dir / "metrics.jsonl")) if a.what == "training" else a.run.cfg.train.steps
+        remaining += per_run * (1 - 0.85 * steps / a.run.cfg.train.steps)  # about 15% of a run is its evaluation
+    return f"ETA {_duration(remaining / max(1, len(active) or 1))} ({per_run / 60:.1f} min a run, from {len(done)})"
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes} min"
+
+
+def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished) -> list[Run]:
+    """Runs every unfinished run, len(slots) at a time; returns the runs that failed."""
+    left = [r for r in runs if not r.result_path.is_file()]
+    total, failed, active = len(runs), [], []
+    log(f"{total} run(s): {total - len(left)} finished, {len(left)} to run; {eta(runs, left, active)}")
+    try:
+        while left or active:
+            for slot in slots:
+                if left and not any(a.slot is slot for a in active):
+                    run = left.pop(0)
+                    run.started = time.monotonic()
+                    log(f"run {total - len(left) - len(active)}/{total}: {run.name}")
+                    a = Active(run, commands(run, settings, slot), slot)
+                    if start_next(a):
+                        active.append(a)
+                    else:
+                        on_finished(run)
+            time.sleep(2)
+            for a in list(active):
+                report_progress(a)
+                code = a.process.poll()
+                if code is None:
+                    continue
+                a.log_file.close()
+                _save_elapsed(a.run)
+                if code != 0:
+                    tail = (a.run.dir / ("train.log" if a.what == "training" else f"{a.what.replace(' ', '_')}.log"))
+                    log(f"  {a.run.name}: {a.what} FAILED (exit {code}); last lines of {tail}:\n"
+                        + "\n".join(tail.read_text(errors="replace").splitlines()[-15:]))
+                    failed.append(a.run)
+                    active.remove(a)
+                elif not start_next(a):
+                    active.remove(a)
+                    on_finished(a.run)
+                    log(f"{a.run.name} finished: {_summary(a.run)}; {eta(runs, left, active)}")
+    finally:
+        for a in active:  # Ctrl-C or an error: each child stops as on Ctrl-C, its servers with it
+            if a.process.poll() is None:
+                a.process.send_signal(signal.SIGINT)
+        for a in active:
+            try:
+                a.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                a.process.kill()
+            _save_elapsed(a.run)
+    return failed
+
+
+def _summary(run: Run) -> str:
+    result = json.loads(run.result_path.read_text())
+    parts = [f"{which} (step {e['step']}) pass@1 " + ", ".join(f"{b} {v['pass@1']:.3f}"
+                                                              for b, v in e["benchmarks"].items())
+             for which, e in result["eval"].items()]
+    return f"{result['seconds'] / 60:.1f} min; " + "; ".join(parts)
+
+
+def prune(run: Run) -> None:
+    """A finished run's checkpoints (DeepSpeed's state, hf/ and best/): result.json holds what the report needs."""
+    root = run.dir / "checkpoints"
+    if root.is_dir():
+        shutil.rmtree(root)
+
+
+# ---------------------------------------------------------------------------- report and CLI
+
+
+def write_report(out: Path, methods: list[str], reference: str) -> Path:
+    study_report.write(out, methods, reference, title=f"Study: {out.name}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return out / "report.md"
+    from apmpo.plot import plot
+
+    if any((out / "runs").glob("*/seed_*/metrics.jsonl")):
+        plot([out], out / "curves.png", title=f"{out.name}: mean over seeds, min-max band")
+    return out / "report.md"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m apmpo.study", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="the study folder (created; a rerun resumes in it)")
+    p.add_argument("--config", help="base config of every run (a new study; later calls read it from study.json)")
+    p.add_argument("--methods", default="", help="comma-separated: losses, built-in variants or --variant names")
+    p.add_argument("--variant", action="append", default=[], metavar="'NAME: key=value ...'",
+                   help="a named method made of --set overrides (repeatable)")
+    p.add_argument("--seeds", default="0,1,2", help="training seeds (train.seed and data.seed), e.g. 0,1,2")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for every run of the study (repeatable)")
+    p.add_argument("--reference", default="grpo", help="the method the report compares every other with")
+    p.add_argument("--eval-n", type=int, default=16, help="samples per problem in each run's evaluation")
+    p.add_argument("--eval-limit", type=int, default=None, help="only the first K problems (default: all)")
+    p.add_argument("--eval-seeds", default="0", help="eval sampling seeds, shared by every run")
+    p.add_argument("--save-every", type=int, default=10, help="checkpoint every K steps, to resume a killed run")
+    p.add_argument("--parallel", default=None, metavar="'GPUS[+GPUS];...'",
+                   help="GPU groups, one run each at once, e.g. '0+1;2+3' (learner + servers) or '0;1' (shared)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
+    p.add_argument("--report", action="store_true", help="only rewrite the report from the finished runs")
+    args = p.parse_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        args.eval_seeds = tuple(int(s) for s in args.eval_seeds.split(",") if s.strip())
+    except ValueError:
+        p.error("--seeds and --eval-seeds take comma-separated integers, e.g. 0,1,2")
+    for ok, message in [(len(set(args.seeds)) == len(args.seeds) and all(s >= 0 for s in args.seeds),
+                         "--seeds must be distinct and >= 0"),
+                        (args.eval_n >= 1 and (args.eval_limit is None or args.eval_limit >= 1),
+                         "--eval-n and --eval-limit must be >= 1"),
+                        (bool(args.eval_seeds), "--eval-seeds is empty"), (args.save_every >= 1, "--save-every >= 1")]:
+        if not ok:
+            p.error(message)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from apmpo.config import ConfigError
+
+    args = parse_args(argv)
+    out = args.out
+    try:
+        variants = dict(parse_variant(v) for v in args.variant)
+        asked = [m.strip() for m in args.methods.split(",") if m.strip()]
+        methods = {m: method_overrides(m, variants) for m in asked}
+        settings = None if args.config is None else Settings(
+            args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every)
+        if args.report:
+            methods = json.loads((out / "study.json").read_text())["methods"] if (out / "study.json").is_file() else {}
+            log(f"report: {write_report(out, list(methods), args.reference)}")
+            return 0
+        if not asked:
+            raise StudyError("--methods is empty: name the methods to run, e.g. --methods apmpo,grpo")
+        slots = parse_parallel(args.parallel)
+        settings, methods = load_study(out, settings, methods)
+        runs = plan_runs(out, settings, methods, asked, args.seeds)
+    except (StudyError, ConfigError) as error:
+        print(f"apmpo.study: bad config: {error}", file=sys.stderr)
+        return 2
+
+    def finished(run: Run) -> None:
+        if not args.keep_checkpoints:
+            prune(run)
+        write_report(out, list(methods), args.reference)
+
+    try:
+        failed = run_all(runs, settings, slots, finished)
+    except KeyboardInterrupt:
+        log(f"interrupted; the same command goes on where it stopped (finished runs: {out}/runs/*/seed_*/result.json)")
+        return 130
+    report_path = write_report(out, list(methods), args.reference)
+    if failed:
+        log(f"{len(failed)} run(s) failed: {', '.join(r.name for r in failed)} (their logs above); rerun to retry")
+        return 1
+    log(f"done: {report_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
