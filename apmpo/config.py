@@ -407,7 +407,7 @@ def _check_sources(cfg: Config) -> None:
 
     if path in models.MODELS:
         try:
-            models.resolve(path)
+            models.resolve(path, verify=True)  # once per run: the bytes of a damaged cache are refused here
         except FileNotFoundError as error:
             raise ConfigError(f"model.path: {error}") from None
     elif path != "quickstart" and not Path(path).expanduser().is_dir() and not HUB_ID.match(path):

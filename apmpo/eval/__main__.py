@@ -143,7 +143,7 @@ def resolve_model(model: str) -> str:
     """A training checkpoint (step_k/ with hf/ inside) means its hf/ folder, a fetched model's name (apmpo.models)
     its cache entry; anything else is passed on."""
     try:
-        model = models.resolve(model)
+        model = models.resolve(model, verify=True)
     except FileNotFoundError as error:
         raise EvalError(str(error)) from None
     path = Path(model)
