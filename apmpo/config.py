@@ -118,6 +118,8 @@ class LoraConfig:
             raise ValueError(f"model.lora.dropout must be 0, got {self.dropout}: dropout makes the learner's "
                              "log-probs random (noisy ratios pi/pi_old) and vLLM's engine applies none")
         unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"model.lora.target_modules names a module twice: {self.target_modules}")
         if not self.target_modules or unknown:
             raise ValueError(f"model.lora.target_modules must be a non-empty subset of {list(LORA_TARGETS)}, "
                              f"got {self.target_modules}")
@@ -538,6 +540,9 @@ def _check_episodes(cfg: Config) -> None:
     d, r = cfg.data, cfg.rollout
     if d.env is None:
         return
+    if not d.env.strip():
+        raise ConfigError("data.env is empty: name an environment (reveal, calculator, pkg.module:Class), or leave "
+                          "the key out (or null) for single-turn completions")
     if d.max_prompt_tokens + d.max_episode_tokens > r.max_model_len:
         raise ConfigError(f"data.max_prompt_tokens ({d.max_prompt_tokens}) + data.max_episode_tokens "
                           f"({d.max_episode_tokens}) > rollout.max_model_len ({r.max_model_len}): the longest episodes "
@@ -609,7 +614,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        # `key=` is the empty string, as YAML's `key: ""`: null says None (an empty data.env must not silently mean
+        # single-turn)
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
     loss = data.get("loss") or {}
     name = loss.get("name", LossConfig.name) if isinstance(loss, dict) else None
     entry = POLICY_LOSSES.get(name) if isinstance(name, str) else None  # other values fail in _build, naming the key

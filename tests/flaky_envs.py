@@ -1,6 +1,7 @@
 """Environments that fail, for the tests of apmpo.envs (named as a user names theirs: module:Class, with tests/ on
 PYTHONPATH). Each fails on the samples whose answer starts with "0" (about one in ten quickstart prompts) and
 plays the reveal task (apmpo/envs/reveal.py) on the others."""
+import abc
 import math
 import time
 
@@ -43,3 +44,17 @@ class NaNReward(RevealEnv):
     def step(self, action):
         observation, reward, done = super().step(action)
         return observation, math.nan if _fails(self.sample) and done else reward, done
+
+
+class HugeReward(RevealEnv):
+    """1e300: finite as a Python float, inf as the float32 that is trained on (it poisoned whole steps)."""
+    def step(self, action):
+        observation, reward, done = super().step(action)
+        return observation, 1e300 if _fails(self.sample) and done else reward, done
+
+
+class Abstract(RevealEnv, abc.ABC):
+    """An interface, not an environment: it cannot be instantiated."""
+    @abc.abstractmethod
+    def step(self, action):
+        ...

@@ -187,8 +187,9 @@ def test_calculator_result_too_large_for_a_float_is_an_error_message():
 
 @pytest.mark.parametrize("value, message", [
     (("obs", None), "step must return"), ("obs", "step must return"), (("obs", 1.0, 1), "done must be a bool"),
-    (("obs", "1", True), "reward must be a number"), (("obs", math.nan, True), "must be finite"),
-    (("obs", math.inf, False), "must be finite"),
+    (("obs", "1", True), "reward must be a number"), (("obs", math.nan, True), "nan, not a finite float32"),
+    (("obs", math.inf, False), "inf, not a finite float32"),
+    (("obs", 1e300, True), r"1e\+300, not a finite float32"),  # finite in Python, inf as the float32 trained on
 ])
 def test_malformed_step_results_are_rejected(value, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -363,7 +364,12 @@ def test_multiturn_config_loads_with_its_limits():
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.env=revel"], "data.env 'revel': ValueError: unknown environment 'revel'"),
-    (["data.env=nope.module:Env"], "data.env 'nope.module:Env': ModuleNotFoundError"),
+    (["data.env="], "data.env is empty"),  # it meant single-turn, silently
+    (["data.env=apmpo.envs:Environment"], "'apmpo.envs:Environment' is an interface"),  # the Protocol itself
+    (["data.env=flaky_envs:Abstract"], "'flaky_envs:Abstract' is an interface (a Protocol or a class with abstract "
+                                       "methods ['step'])"),
+    (["data.env=exiting_envs:Env"], "data.env 'exiting_envs:Env': ImportError: importing 'exiting_envs' called "
+                                    "sys.exit(7)"),  # the run ended with exit 7 and no message
     (["data.max_turns=0"], "data.max_turns must lie in [1, 1024], got 0"),
     (["data.max_episode_tokens=100"], ("data.max_prompt_tokens (64) + data.max_episode_tokens (100) > "
                                        "rollout.max_model_len (128)")),
@@ -373,7 +379,8 @@ def test_multiturn_config_loads_with_its_limits():
     (["data.max_turns=200", "rollout.prompts_per_step=4096", "train.mini_batch_size=4096", "rollout.group_size=2"],
      "rollout.prompts_per_step * rollout.group_size = 1638400 is outside the engine-seed layout"),
 ])
-def test_bad_episode_config_fails_at_load_naming_the_key(overrides, message):
+def test_bad_episode_config_fails_at_load_naming_the_key(overrides, message, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # flaky_envs, exiting_envs
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/quickstart_multiturn.yaml", overrides)
 
@@ -391,3 +398,13 @@ def test_a_request_takes_one_seed_per_prompt_or_one_seed_not_both():
     for bad in ({"seeds": [5]}, {"seeds": [5, 9], "seed": 1}, {"seeds": [5, -1]}, {"seeds": [5, MAX_SEED]}):
         with pytest.raises(ValidationError, match="seeds: one per prompt"):
             GenerateRequest(**body, **bad)
+
+
+def test_eval_refuses_an_environment_module_that_exits_on_import(monkeypatch):
+    from apmpo.eval.__main__ import check_env
+    from apmpo.eval.run import EvalError
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    with pytest.raises(EvalError, match=re.escape("--env 'exiting_envs:Env': ImportError: importing 'exiting_envs' "
+                                                  "called sys.exit(7)")):
+        check_env("exiting_envs:Env")

@@ -88,7 +88,7 @@ def test_turn_two_prompt_is_turn_one_prompt_sampled_and_environment_ids(server):
 
 @pytest.mark.parametrize("env, kind", [("flaky_envs:RaisesInReset", "errors"), ("flaky_envs:RaisesInStep", "errors"),
                                        ("flaky_envs:HangsInStep", "timeouts"), ("flaky_envs:ReturnsGarbage", "errors"),
-                                       ("flaky_envs:NaNReward", "errors")])
+                                       ("flaky_envs:NaNReward", "errors"), ("flaky_envs:HugeReward", "errors")])
 def test_a_failing_environment_scores_zero_is_counted_and_spares_the_others(server, env, kind, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     samples = samples_of(32)

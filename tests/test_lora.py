@@ -32,6 +32,8 @@ def test_lora_is_off_unless_configured_and_a_section_turns_it_on():
     ("model.lora.alpha=0", r"model.lora.alpha must lie in \(0, 1e6\]"),
     ("model.lora.target_modules=[lm_head]", "model.lora.target_modules must be a non-empty subset"),
     ("model.lora.target_modules=[]", "model.lora.target_modules must be a non-empty subset"),
+    ("model.lora.target_modules=[q_proj,q_proj]", r"model.lora.target_modules names a module twice"),
+    ("model.lora.rank=true", "model.lora.rank expects int, got bool True"),
     ("model.lora.rnk=4", "did you mean 'model.lora.rank'"),
 ])
 def test_bad_lora_config_fails_at_load_naming_the_key(override, message):

@@ -183,6 +183,8 @@ def test_an_adapter_push_must_hold_both_halves_of_each_layer_at_the_configured_r
             check(good + [(name, torch.float32, (8, 256))])
     with pytest.raises(BadPush, match=r"r=32 must be an integer in \[1, 16\]"):
         check(good, {**config, "r": 32})
+    with pytest.raises(BadPush, match=r"r=True must be an integer"):  # JSON's true is not rank 1
+        check([(good[0][0], torch.float32, (1, 256)), (good[1][0], torch.float32, (128, 1))], {**config, "r": True})
     with pytest.raises(BadPush, match="rank_pattern or alpha_pattern"):
         check(good, {**config, "rank_pattern": {"down_proj": 4}})
     with pytest.raises(BadPush, match="holds no tensors"):

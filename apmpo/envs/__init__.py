@@ -23,7 +23,6 @@ learner's rank-0 process, each call in a thread of its own with a time limit: a 
 """
 from __future__ import annotations
 
-import importlib
 from typing import Protocol, runtime_checkable
 
 Message = dict  # {"role": "user" | ..., "content": str}
@@ -46,14 +45,20 @@ BUILTIN_ENVS = {"reveal": "apmpo.envs.reveal:RevealEnv", "calculator": "apmpo.en
 
 
 def get_env(name: str) -> type:
-    """The environment class named `name`: a built-in (BUILTIN_ENVS) or "pkg.module:Class"."""
+    """The environment class named `name`: a built-in (BUILTIN_ENVS) or "pkg.module:Class" that can be
+    instantiated (not a Protocol such as Environment, nor a class with abstract methods)."""
+    from apmpo.rewards import import_user_module
+
     spec = BUILTIN_ENVS.get(name, name)
     if ":" not in spec:
         raise ValueError(f"unknown environment {name!r}; use one of {sorted(BUILTIN_ENVS)} or 'pkg.module:Class'")
     module_name, _, attr = spec.partition(":")
-    cls = getattr(importlib.import_module(module_name), attr, None)
+    cls = getattr(import_user_module(module_name), attr, None)
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise TypeError(f"{name!r} does not name a class with reset(sample) and step(action) methods")
+    if getattr(cls, "_is_protocol", False) or getattr(cls, "__abstractmethods__", None):
+        raise TypeError(f"{name!r} is an interface (a Protocol or a class with abstract methods "
+                        f"{sorted(getattr(cls, '__abstractmethods__', ()))}), not an environment that can play")
     return cls
 
 

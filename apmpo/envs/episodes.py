@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from apmpo.envs import get_env
 from apmpo.envs.chat import TemplateError, Transcript
-from apmpo.rewards.batch import RewardSummary
+from apmpo.rewards.batch import RewardSummary, as_score
 
 if TYPE_CHECKING:
     from apmpo.rollout.sampling import Sampling  # not at run time: it would import the client, and torch
@@ -252,10 +251,6 @@ def _check_step(value: Any) -> tuple[Any, float | None, bool]:
     observation, reward, done = value
     if not isinstance(done, bool):
         raise TypeError(f"step's done must be a bool, got {type(done).__name__} {done!r:.30}")
-    if reward is not None:
-        if isinstance(reward, (str, bytes)) or not hasattr(reward, "__float__"):
-            raise TypeError(f"step's reward must be a number or None, got {type(reward).__name__} {reward!r:.30}")
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"step's reward must be finite, got {reward}")
+    if reward is not None:  # the rule of every reward (apmpo.rewards.batch.as_score): 1e300 is inf in float32
+        reward = as_score(reward, "step's reward must be a number or None, got")
     return observation, reward, done

@@ -103,24 +103,25 @@ def _worker_main(conn: Connection, memory_mb: int) -> None:
             if not ready:  # its start-up and imports (seconds on a busy machine) are not its first item's time
                 conn.send(("ready", None))
                 ready = True
-            conn.send(("ok", _as_score(fn(completion, sample))))
+            conn.send(("ok", as_score(fn(completion, sample))))
         except Exception as e:  # noqa: BLE001  (any failure of a reward scores 0 and is reported)
             conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
 
 
-def _as_score(value) -> float:
-    """A reward's value as a score. NaN or inf would make the batch's mean, the advantages and the loss NaN
-    (training then silently stops learning), and a string or None is a bug of the reward: all are failures. The
-    check is of the value as stored, float32: 1e300 is finite as a Python float and inf as a float32."""
+def as_score(value, what: str = "the reward returned") -> float:
+    """A reward's value as a score: the one rule for every reward, a reward function's and an environment's. NaN
+    or inf would make the batch's mean, the advantages and the loss NaN (training then silently stops learning),
+    and a string or None is a bug of the reward: all are failures (TypeError, ValueError). The check is of the
+    value as trained on, float32: 1e300 is finite as a Python float and inf as a float32."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        raise TypeError(f"the reward returned {type(value).__name__} {value!r:.50}, not a number")
+        raise TypeError(f"{what} {type(value).__name__} {value!r:.50}, not a number")
     score = float(value)
     try:
         stored = struct.unpack("f", struct.pack("f", score))[0]  # packing raises OverflowError past float32's range
     except OverflowError:
         stored = math.inf
     if not math.isfinite(stored):
-        raise ValueError(f"the reward returned {score}, not a finite float32 number")
+        raise ValueError(f"{what} {score}, not a finite float32 number")
     return score
 
 

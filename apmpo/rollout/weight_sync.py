@@ -142,7 +142,7 @@ class ExpectedWeights:
         `base_model.model.<layer>.lora_A.weight` [r, in] or `.lora_B.weight` [out, r] of a 2-D weight
         `<layer>.weight` [out, in] of the served model, r is the config's, and every layer has both."""
         rank = config.get("r")
-        if not isinstance(rank, int) or not 1 <= rank <= max_rank:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= max_rank:  # true is not rank 1
             raise BadPush(f"the adapter's rank r={rank!r} must be an integer in [1, {max_rank}] (the server's "
                           "--max-lora-rank)")
         if config.get("rank_pattern") or config.get("alpha_pattern"):
