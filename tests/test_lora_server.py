@@ -2,8 +2,10 @@
 the learner's model through the weight group (apmpo.learner.lora.push_policy: shm, gloo) or written by PEFT as a
 folder (load_adapter). One server for the module (--lora-versions 2, as train.max_staleness 1 starts it), on the tiny
 tied Qwen2; the tests run in order and push in turn. The session's tiny_server (no LoRA) refuses adapters."""
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +29,10 @@ LOGPROB_ATOL = 1e-3
 @pytest.fixture(scope="module")
 def server(tiny_tied, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "lora.log"
+    # /lora/load reads folders under --adapter-root only: every test's tmp_path is under pytest's base folder
     server = start_server(str(tiny_tied), log_path=log, dtype="float32", max_model_len=256, ready_timeout_s=300,
-                          extra_args=("--enable-lora", "--max-lora-rank", "8", "--lora-versions", "2"))
+                          extra_args=("--enable-lora", "--max-lora-rank", "8", "--lora-versions", "2",
+                                      "--adapter-root", str(tmp_path_factory.getbasetemp() / "adapters")))
     yield server
     server.stop()
 
@@ -109,10 +113,18 @@ def test_an_adapter_goes_over_gloo_as_over_shm(server, policy):
         assert_scores_as_the_policy(over_gloo, policy, version)
 
 
-def test_an_adapter_folder_loads_as_a_push_does(client, policy, tmp_path):
+@pytest.fixture
+def adapter_dir(tmp_path_factory):
+    """A folder under the server's --adapter-root."""
+    root = tmp_path_factory.getbasetemp() / "adapters"
+    root.mkdir(exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root))
+
+
+def test_an_adapter_folder_loads_as_a_push_does(client, policy, adapter_dir):
     randomise(policy, seed=7)
-    policy.save_pretrained(tmp_path)  # PEFT's folder: what a server reads when nothing else reaches it
-    version = client.load_adapter(tmp_path)
+    policy.save_pretrained(adapter_dir)  # PEFT's folder: what a server reads when nothing else reaches it
+    version = client.load_adapter(adapter_dir)
     assert client.last_push.transport == "folder"
     assert_scores_as_the_policy(client, policy, version)
 
@@ -182,11 +194,23 @@ def test_a_request_in_flight_during_a_push_keeps_its_adapter(client, policy):
     assert max_gap(policy, samples) < LOGPROB_ATOL
 
 
-def test_a_folder_without_an_adapter_is_refused_and_the_version_stays(client, tmp_path):
+def test_a_folder_without_an_adapter_is_refused_and_the_version_stays(client, adapter_dir):
     version = client.info()["weight_version"]
     with pytest.raises(ServerError, match="adapter_config.json") as error:
-        client.load_adapter(tmp_path)
+        client.load_adapter(adapter_dir)
     assert error.value.status == 400 and client.info()["weight_version"] == version
+
+
+def test_only_folders_under_the_adapter_root_are_read(client, policy, adapter_dir, tmp_path):
+    """/lora/load read any folder on the server's machine that held an adapter_config.json."""
+    version = client.info()["weight_version"]
+    policy.save_pretrained(tmp_path)  # a real adapter, outside the root
+    (adapter_dir / "escape").symlink_to(tmp_path)  # and a way out of the root through a link
+    for path in (tmp_path, adapter_dir / "escape", adapter_dir / ".." / ".." / tmp_path.name):
+        with pytest.raises(ServerError, match="is not under this server's --adapter-root") as error:
+            client.load_adapter(path)
+        assert error.value.status == 403
+    assert client.info()["weight_version"] == version
 
 
 def test_a_full_weight_push_replaces_the_adapter(client, policy, tiny_tied):

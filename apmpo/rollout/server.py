@@ -13,8 +13,11 @@ Endpoints (JSON; all but /health need `Authorization: Bearer TOKEN` when --token
                           update into it, so the server loads it as begin + finish would, in one request
                           (begin and load with `adapter`, --enable-lora: the buckets are a LoRA adapter's tensors,
                           loaded as /lora/load loads a folder)
-    POST /lora/load       --enable-lora: a PEFT adapter folder (on this machine) becomes the next weight version,
-                          named policy-v<version>; later generations use it on top of the served model
+    POST /lora/load       --enable-lora: a PEFT adapter folder under --adapter-root (on this machine) becomes the
+                          next weight version, named policy-v<version>; later generations use it on top of the
+                          served model. Without --adapter-root it loads nothing: a client must not make the server
+                          read any folder it can reach. The learner's pushes need none of this (they go through
+                          the weight group).
     POST /shutdown
 
 A push is checked against the served model before anything is loaded (every parameter, by its HF name, shape and
@@ -237,9 +240,10 @@ def check_token(token: str | None) -> None:
 
 
 def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_versions: int = 1,
-               engine_thread: OneThread | None = None) -> FastAPI:
+               engine_thread: OneThread | None = None, adapter_root: str | None = None) -> FastAPI:
     """`lora_versions`: adapters kept loaded, the newest ones (--lora-versions). `engine_thread`: the one thread
-    that generates, best the one that built the engine (main does so)."""
+    that generates, best the one that built the engine (main does so). `adapter_root`: the folder /lora/load may
+    read adapters under (--adapter-root); None: it reads none."""
     from apmpo.rollout import vllm_compat as compat
 
     check_token(token)
@@ -530,6 +534,12 @@ def create_app(llm: Any, model: str, limits: Limits, token: str | None, lora_ver
         the adapter's name, so no version reuses another's KV. Adapters older than the newest --lora-versions are
         unloaded."""
         refuse_without_lora()
+        if adapter_root is None:
+            raise HTTPException(403, "this server was started without --adapter-root: /lora/load reads no folder "
+                                     "(the learner's adapter pushes need none)")
+        root = os.path.realpath(adapter_root)
+        if os.path.commonpath([root, os.path.realpath(req.path)]) != root:  # symlinks and .. resolved first
+            raise HTTPException(403, f"{req.path} is not under this server's --adapter-root {adapter_root}")
         if not os.path.isfile(os.path.join(req.path, "adapter_config.json")):
             raise HTTPException(400, f"{req.path} holds no adapter_config.json: not a PEFT adapter folder on this "
                                      "machine (the server reads the path itself)")
@@ -599,6 +609,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters pushed to /lora/load (on CPU the model then runs eagerly)")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="with --enable-lora: the largest adapter rank")
+    parser.add_argument("--adapter-root", default=None,
+                        help="with --enable-lora: /lora/load reads adapter folders under this one only (default: none)")
     parser.add_argument("--lora-versions", type=int, default=1,
                         help="with --enable-lora: adapters kept loaded, the newest (1 + train.max_staleness)")
     args = parser.parse_args(argv)
@@ -675,7 +687,7 @@ def main(argv: list[str] | None = None) -> None:
     gc.enable()
     limits = Limits(args.max_prompts, args.max_n, args.max_tokens, args.update_timeout_s, args.generate_timeout_s)
     app = create_app(llm, args.model, limits, args.token, lora_versions=args.lora_versions,
-                     engine_thread=engine_thread)
+                     engine_thread=engine_thread, adapter_root=args.adapter_root)
     log.info("serving %s on http://%s:%d", args.model, args.host, listener.getsockname()[1])
     try:
         # In-flight requests get 5 s after a signal, then they are cancelled, which aborts their generation.
