@@ -205,6 +205,9 @@ class RolloutConfig:
     overlong_penalty: float = ranged(1.0, "[0, 1000]")  # the penalty at max_tokens, linear over the buffer
     mask_truncated: bool = False  # DAPO: truncated completions get no loss
     reward_workers: int = ranged(2, "[1, 1024]")
+    # Processes that hold a batch's multi-turn environments (data.env; apmpo.envs.workers): a call past
+    # data.env_timeout_s, or one that kills its process, ends only what that process held
+    env_workers: int = ranged(2, "[1, 1024]")
     reward_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per worker (RLIMIT_AS); None: apmpo.rewards.batch's
     reward_timeout_s: float = ranged(10.0, "(0, 86400]")
     # A step's total scoring time: items unscored by then score 0, as timeouts. None: STEP_TIMEOUT_ITEMS item

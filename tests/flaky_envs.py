@@ -58,3 +58,46 @@ class Abstract(RevealEnv, abc.ABC):
     @abc.abstractmethod
     def step(self, action):
         ...
+
+
+# --- hostile environments, for tests/test_env_workers.py (each broke the learner when environments were threads) --
+
+
+class HoldsTheLock(RevealEnv):
+    """A step that never gives the interpreter lock back: catastrophic backtracking inside re's C code."""
+    def step(self, action):
+        import re
+
+        re.match(r"(a+)+$", "a" * 64 + "b")
+        return super().step(action)
+
+
+class Exits(RevealEnv):
+    def step(self, action):
+        import os
+
+        os._exit(1)
+
+
+class BlocksAndLeaks(RevealEnv):
+    """Opens a pipe and blocks reading it, as the probe's environment did: 72 threads and pipes after two steps."""
+    def step(self, action):
+        import os
+
+        if _fails(self.sample):
+            read_end, _ = os.pipe()
+            os.read(read_end, 1)
+        return super().step(action)
+
+
+class LeavesAThread(RevealEnv):
+    def reset(self, sample):
+        import threading
+
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+        return super().reset(sample)
+
+
+class Unpicklable(RevealEnv):
+    def step(self, action):
+        return (lambda: None), 1.0, True

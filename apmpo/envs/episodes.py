@@ -9,23 +9,23 @@ An Episode holds what the learner trains on (module docstring of apmpo.envs); `s
 the environment's failures as RewardPool.score counts a reward's (errors, timeouts, their total failures,
 first_error) and adds the seconds spent generating and in the environment, and the turns played.
 
-Each environment call (the class's construction with `reset`, then each `step`) runs in a daemon thread of its
-own, all of a turn's calls at once, and is waited for at most `timeout_s` (or until `deadline`). A call past that
-is abandoned: its episode ends with reward 0, counted as a timeout, and its thread, which Python cannot stop, is
-left to finish or not (as a daemon it never holds the process at exit). An environment that blocks the GIL in C
-code cannot be bounded so; one that may do that belongs in a process of its own, behind its `step`.
+The environments live in worker processes (apmpo.envs.workers, `num_workers` of them: rollout.env_workers), all
+of a turn's calls at once, each waited for at most `timeout_s` (or until `deadline`). A call past that ends its
+episode with reward 0, counted as a timeout; a worker that dies ends its episodes (a crash, named with its exit
+code); a call that raises is its episode's error. When the batch's episodes are over their environments are
+dropped, and every worker that a failure touched is killed, with whatever the environment started in it.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from apmpo.envs import get_env
 from apmpo.envs.chat import TemplateError, Transcript
+from apmpo.envs.workers import EnvWorkers
 from apmpo.rewards.batch import RewardSummary, as_score
 
 if TYPE_CHECKING:
@@ -73,9 +73,14 @@ class Episode:
 
 
 class EpisodeRunner:
-    def __init__(self, env_cls: type, tokenizer: Any, limits: EpisodeLimits):
+    def __init__(self, env_cls: type, tokenizer: Any, limits: EpisodeLimits, num_workers: int = 2):
         self.env_cls, self.tokenizer, self.limits = env_cls, tokenizer, limits
+        self.workers = EnvWorkers(env_cls, num_workers)
         self._logged_failure = False
+
+    def close(self) -> None:
+        """Stops the environments' worker processes (they also die with this process)."""
+        self.workers.close()
 
     @classmethod
     def from_config(cls, cfg, tokenizer) -> "EpisodeRunner | None":
@@ -84,19 +89,32 @@ class EpisodeRunner:
         if d.env is None:
             return None
         return cls(get_env(d.env), tokenizer, EpisodeLimits(d.max_turns, d.max_episode_tokens, d.max_prompt_tokens,
-                                                             cfg.rollout.max_model_len, d.env_timeout_s))
+                                                             cfg.rollout.max_model_len, d.env_timeout_s),
+                   cfg.rollout.env_workers)
 
     def run(self, client, samples: Sequence[dict], seed_of: Callable[[int, int], int], sampling: Sampling,
             deadline: float | None = None) -> tuple[list[Episode], EpisodeSummary]:
         """Plays one episode per sample (repeat a sample for several). `seed_of(episode, turn)`: the engine seed of
         that turn (apmpo.seeding.turn_seed); `sampling`: each turn's, its max_tokens lowered to the room left.
         Raises TemplateError when the chat template cannot be extended by appending (apmpo.envs.chat)."""
-        limits = self.limits
         start = time.monotonic()
-        summary = {"errors": 0, "timeouts": 0, "first_error": None, "turns": 0, "generate_seconds": 0.0,
-                   "env_seconds": 0.0}  # the EpisodeSummary's, as they come
+        summary = {"errors": 0, "timeouts": 0, "crashes": 0, "first_error": None, "turns": 0,
+                   "generate_seconds": 0.0, "env_seconds": 0.0}  # the EpisodeSummary's, as they come
         episodes = [Episode([]) for _ in samples]
-        envs: list[Any] = [None] * len(samples)
+        self.workers.begin(len(samples))
+        try:
+            self._play(client, samples, seed_of, sampling, deadline, episodes, summary)
+        finally:
+            self.workers.end()  # the environments go with their episodes
+        for episode in episodes:
+            episode.finish_reason = episode.finish_reason or "length"
+            if episode.prompt_ids:
+                episode.text = self.tokenizer.decode(episode.completion_ids, skip_special_tokens=False,
+                                                     clean_up_tokenization_spaces=False)
+        return episodes, EpisodeSummary(len(samples), **summary, seconds=time.monotonic() - start)
+
+    def _play(self, client, samples, seed_of, sampling, deadline, episodes, summary) -> None:
+        limits = self.limits
         chats: list[Transcript | None] = [None] * len(samples)
 
         def fail(k: int, kind: str, message: str) -> None:
@@ -109,13 +127,12 @@ class EpisodeRunner:
 
         # ------------------------------------------------------------ reset
         tick = time.perf_counter()
-        results = _call_all([lambda s=s: _start(self.env_cls, s) for s in samples], limits.timeout_s, deadline)
+        results = self.workers.call_all([(k, "reset", s) for k, s in enumerate(samples)], limits.timeout_s, deadline)
         summary["env_seconds"] += time.perf_counter() - tick
-        for k, (status, value) in enumerate(results):
+        for k, (status, first) in enumerate(results):
             if status != "ok":
-                fail(k, status, f"reset: {value}")
+                fail(k, status, f"reset: {first}")
                 continue
-            envs[k], first = value
             try:
                 chats[k] = Transcript(self.tokenizer, _as_messages(first))
             except TemplateError:
@@ -158,8 +175,8 @@ class EpisodeRunner:
                 episode.weight_versions.append(out.weight_version)
 
             tick = time.perf_counter()
-            results = _call_all([lambda env=envs[k], a=a: env.step(a) for k, a in zip(active, actions)],
-                                limits.timeout_s, deadline)
+            results = self.workers.call_all([(k, "step", a) for k, a in zip(active, actions)], limits.timeout_s,
+                                            deadline)
             summary["env_seconds"] += time.perf_counter() - tick
             for k, (status, value) in zip(active, results):
                 episode = episodes[k]
@@ -192,39 +209,6 @@ class EpisodeRunner:
                 episode.completion_ids += env_ids
                 episode.sampled += [False] * len(env_ids)
                 episode.logprobs += [0.0] * len(env_ids)
-
-        for k, episode in enumerate(episodes):
-            episode.finish_reason = episode.finish_reason or "length"
-            if chats[k] is not None:
-                episode.text = self.tokenizer.decode(episode.completion_ids, skip_special_tokens=False,
-                                                     clean_up_tokenization_spaces=False)
-        return episodes, EpisodeSummary(len(samples), **summary, seconds=time.monotonic() - start)
-
-
-def _start(env_cls: type, sample: dict) -> tuple[Any, Any]:
-    env = env_cls()
-    return env, env.reset(sample)
-
-
-def _call_all(calls: list[Callable[[], Any]], timeout_s: float, deadline: float | None) -> list[tuple[str, Any]]:
-    """Runs the calls at once, one daemon thread each; ("ok", value), ("errors", message) for a call that raised,
-    or ("timeouts", message) for one still running after timeout_s (or at `deadline`, a time.monotonic() value)."""
-    results: list[tuple[str, Any] | None] = [None] * len(calls)
-
-    def target(k: int) -> None:
-        try:
-            results[k] = ("ok", calls[k]())
-        except BaseException as error:  # noqa: BLE001  (any failure of the environment ends only its episode)
-            results[k] = ("errors", f"{type(error).__name__}: {error}"[:500])
-
-    threads = [threading.Thread(target=target, args=(k,), name="env", daemon=True) for k in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    end = time.monotonic() + timeout_s if deadline is None else min(time.monotonic() + timeout_s, deadline)
-    for thread in threads:
-        thread.join(max(0.0, end - time.monotonic()))
-    done = list(results)  # a late thread may still write: what is read now is final
-    return [r if r is not None else ("timeouts", f"ran past {timeout_s:g} s") for r in done]
 
 
 def _as_message(observation: Any) -> dict:

@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens after the first prompt, sampled and the environment's together")
     e.add_argument("--env-timeout-s", type=float, default=10.0, help="each environment call; past it the episode "
                    "scores 0, as in training")
+    e.add_argument("--env-workers", type=int, default=2, help="processes that hold the environments "
+                   "(rollout.env_workers)")
     v = p.add_argument_group("diversity (the paper's appendix)")
     v.add_argument("--diversity", action="store_true", help="Self-BLEU, ACS (and the LLM judge) on MATH500")
     v.add_argument("--diversity-n", type=int, default=8, help="samples per MATH500 prompt")
@@ -117,8 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               (args.diversity_n >= 2, "--diversity-n must be >= 2"), (args.batch_prompts >= 1, "--batch-prompts >= 1"),
               (args.num_servers >= 1, "--num-servers must be >= 1"),
               (args.server is None or args.num_servers == 1, "--num-servers starts servers: not with --server"),
-              (args.max_turns >= 1 and args.max_episode_tokens >= 1 and args.env_timeout_s > 0,
-               "--max-turns, --max-episode-tokens and --env-timeout-s must be > 0"),
+              (args.max_turns >= 1 and args.max_episode_tokens >= 1 and args.env_timeout_s > 0
+               and args.env_workers >= 1, "--max-turns, --max-episode-tokens, --env-timeout-s and --env-workers "
+               "must be > 0"),
               (args.env is None or args.reward is None, "--env scores its episodes: not with --reward"),
               (args.env is None or not args.diversity, "--diversity is for single-turn samples: not with --env")]
     for ok, message in checks:
@@ -293,7 +296,7 @@ def generate(args: argparse.Namespace, model: str, jobs: list, store: SampleStor
 
             episodes = EpisodeRunner(get_env(args.env), tokenizer, EpisodeLimits(
                 args.max_turns, args.max_episode_tokens, max_prompt_tokens=info["max_model_len"] - 1,
-                max_model_len=info["max_model_len"], timeout_s=args.env_timeout_s))
+                max_model_len=info["max_model_len"], timeout_s=args.env_timeout_s), args.env_workers)
         tick = time.monotonic()
         generated = failures = 0
         for benchmark in dict.fromkeys(b for b, _, _ in jobs):  # one progress bar per benchmark

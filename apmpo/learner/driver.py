@@ -94,6 +94,8 @@ class Driver(contextlib.ExitStack):
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
         sampling = cfg.rollout.sampling(stop_token_ids(self.model_path, tokenizer))  # stops as in evaluation
         episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: multi-turn episodes, else None
+        if episodes is not None:
+            self.callback(episodes.close)  # after the stream's close below, whose thread may be playing episodes
         self.stream = RolloutStream(lambda step: collect_rollouts(
             self.client, self.sampler, prompt_ids, samples, score, cfg.rollout, cfg.loss, run_seed=cfg.train.seed,
             step=step, sampling=sampling, vision=vision, episodes=episodes), cfg.train.max_staleness,

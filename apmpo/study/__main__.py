@@ -258,7 +258,7 @@ def eval_argv(run: Run, settings: Settings, slot: Slot, which: str, checkpoint: 
     if run.cfg.data.env is not None:
         d = run.cfg.data
         argv += ["--env", d.env, "--max-turns", str(d.max_turns), "--max-episode-tokens", str(d.max_episode_tokens),
-                 "--env-timeout-s", str(d.env_timeout_s)]
+                 "--env-timeout-s", str(d.env_timeout_s), "--env-workers", str(r.env_workers)]
     if r.enforce_eager:
         argv.append("--enforce-eager")
     if slot.learner:
