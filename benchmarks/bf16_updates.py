@@ -41,7 +41,8 @@ def make_batch(tokenizer, problems: int):
     for record in load_records("arith_train")[:problems]:
         prompt = tokenizer.apply_chat_template(build_messages(record), tokenize=False, add_generation_prompt=True)
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        a = tokenizer(f"The answer is \\boxed{{{record['answer']}}}.<|im_end|>", add_special_tokens=False)["input_ids"]
+        a = tokenizer(f"The answer is \\boxed{{{record['answer']}}}.{tokenizer.eos_token or ''}",
+                      add_special_tokens=False)["input_ids"]
         rows.append(p + a)
         masks.append([0.0] * len(p) + [1.0] * len(a))
     width = max(map(len, rows))

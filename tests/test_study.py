@@ -192,7 +192,10 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
     argv = [sys.executable, "-m", "apmpo.study", "--config", "configs/quickstart.yaml", "--out", str(out),
             "--methods", "apmpo,grpo", "--seeds", "0,1", "--set", "train.steps=3", "--set", "eval.every=3",
             "--set", "rollout.num_servers=1", "--eval-n", "4", "--eval-limit", "30", "--save-every", "1"]
-    first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # As `nohup ... &` from a script starts it: SIGINT ignored (a training run then outlived its study), and stopped
+    # with SIGTERM
+    first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     second_run = out / "runs" / "apmpo" / "seed_1" / "checkpoints" / "step_1" / "trainer_state.json"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and first.poll() is None:
@@ -200,9 +203,11 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
             break
         time.sleep(0.2)
     assert first.poll() is None, first.stdout.read()
-    first.send_signal(signal.SIGINT)
+    first.send_signal(signal.SIGTERM)
     log = first.communicate(timeout=120)[0]
-    assert first.returncode == 130, log
+    assert first.returncode == 128 + signal.SIGTERM and "stopped (SIGTERM)" in log, log
+    leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], leftover  # the training run and its server went with the study
     finished = out / "runs" / "apmpo" / "seed_0" / "result.json"
     assert finished.is_file() and not (out / "runs" / "apmpo" / "seed_0" / "checkpoints").exists()
     mtime = finished.stat().st_mtime

@@ -61,6 +61,18 @@ class StudyError(Exception):
     """A study that cannot run as asked; the message names the option at fault."""
 
 
+class Stopped(Exception):
+    """SIGINT or SIGTERM: the study stops its runs as on Ctrl-C, and the same command goes on later."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
 def log(message: str) -> None:
     print(f"[apmpo.study] {message}", flush=True)
 
@@ -361,7 +373,10 @@ def parse_parallel(text: str | None) -> list[Slot]:
 
 def _die_with_parent() -> None:
     """In the child, before exec: a SIGINT when the study dies, however (SIGKILL too), so that a training run and
-    its servers stop as on Ctrl-C and nothing outlives the study."""
+    its servers stop as on Ctrl-C and nothing outlives the study. SIGINT back to its default first: a study started
+    in the background by a script (`nohup ... &`) ignores it, its children would inherit that, and a training run
+    outlived its study."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
 
@@ -461,7 +476,7 @@ def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished)
                     on_finished(a.run)
                     log(f"{a.run.name} finished: {_summary(a.run)}; {eta(runs, left, active)}")
     finally:
-        for a in active:  # Ctrl-C or an error: each child stops as on Ctrl-C, its servers with it
+        for a in active:  # a signal or an error: each child stops as on Ctrl-C, its servers with it
             if a.process.poll() is None:
                 a.process.send_signal(signal.SIGINT)
         for a in active:
@@ -569,11 +584,15 @@ def main(argv: list[str] | None = None) -> int:
             prune(run)
         write_report(out, list(methods), args.reference)
 
+    # Both, whatever this process inherited: started in the background by a script, SIGINT is ignored
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     try:
         failed = run_all(runs, settings, slots, finished)
-    except KeyboardInterrupt:
-        log(f"interrupted; the same command goes on where it stopped (finished runs: {out}/runs/*/seed_*/result.json)")
-        return 130
+    except Stopped as stop:
+        log(f"stopped ({stop}); the same command goes on where it stopped (finished runs: "
+            f"{out}/runs/*/seed_*/result.json)")
+        return 128 + stop.signum
     report_path = write_report(out, list(methods), args.reference)
     if failed:
         log(f"{len(failed)} run(s) failed: {', '.join(r.name for r in failed)} (their logs above); rerun to retry")
