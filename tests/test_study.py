@@ -237,3 +237,28 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert leftover == [], leftover
+
+
+def test_a_run_is_checked_against_the_config_it_was_trained_with(tmp_path):
+    """Learning keys must match; bookkeeping keys (where the run is written, its checkpoints) may differ, and so may
+    keys one side lacks: a newer apmpo's new key (rollout.env_workers came during the first study) refused every
+    run trained before it."""
+    import yaml
+
+    from apmpo.config import load_config
+    from apmpo.study.__main__ import Run, _check_same_config
+
+    trained = load_config("configs/quickstart.yaml", ["train.seed=1"])
+    saved = trained.to_dict()
+    del saved["rollout"]["env_workers"]
+    saved["logging"]["run_name"] = "elsewhere"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+
+    def check(*overrides):
+        cfg = load_config("configs/quickstart.yaml", ["train.seed=1", *overrides])
+        _check_same_config(Run("apmpo", 1, (), (), tmp_path, cfg))
+
+    check()
+    check("checkpoint.save_every=3")
+    with pytest.raises(StudyError, match=r"trained with another config: optim.lr \(was \[0.001\], now \[0.002\]\)"):
+        check("optim.lr=0.002")

@@ -199,7 +199,9 @@ def _check_same_config(run: Run) -> None:
         return {k: v for k, v in flat.items() if not k.startswith(BOOKKEEPING)}
 
     old, new = learning(yaml.safe_load(saved.read_text())), learning(run.cfg.to_dict())
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    # Keys of one side only are a newer or older apmpo's (rollout.env_workers came during the first study): a new
+    # key's default keeps the old behaviour, so only a value both sides have can differ.
+    changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
     if changed:
         raise StudyError(f"{run.dir} was trained with another config: {', '.join(changed[:6])} "
                          f"(was {[old.get(k) for k in changed[:6]]}, now {[new.get(k) for k in changed[:6]]}); "
