@@ -25,7 +25,7 @@ import time
 import torch
 
 
-def answer_logprobs(model, batch, dtype) -> torch.Tensor:
+def answer_logprobs(model, batch) -> torch.Tensor:
     """Mean log-probability of the answer tokens, the log-softmax in fp32 (as apmpo.learner.logprobs)."""
     ids, mask = batch
     with torch.no_grad():
@@ -76,11 +76,11 @@ def main() -> None:
     model.zero_grad(set_to_none=True)
     master = {n: p.detach().clone() for n, p in model.named_parameters()}
     bf16_model = copy.deepcopy(model).to(torch.bfloat16)
-    base = {"fp32": answer_logprobs(model, batch, torch.float32)}
+    base = {"fp32": answer_logprobs(model, batch)}
     for n, p in model.named_parameters():
         p.data.copy_(master[n].bfloat16().float())
-    base["bf16 weights"] = answer_logprobs(model, batch, torch.float32)
-    base["bf16"] = answer_logprobs(bf16_model, batch, torch.bfloat16)
+    base["bf16 weights"] = answer_logprobs(model, batch)
+    base["bf16"] = answer_logprobs(bf16_model, batch)
     print(f"{args.model}, lr {args.lr:g}, {args.problems} problems ({int(mask.sum())} answer tokens); "
           f"answers' mean log-prob before: fp32 {base['fp32']:.5f}, bf16 weights {base['bf16 weights']:.5f}, "
           f"bf16 {base['bf16']:.5f}")
@@ -90,15 +90,15 @@ def main() -> None:
         changes = {}
         for n, p in model.named_parameters():
             p.data.copy_(master[n] + k * args.lr * direction.get(n, 0))
-        changes["fp32"] = answer_logprobs(model, batch, torch.float32) - base["fp32"]
+        changes["fp32"] = answer_logprobs(model, batch) - base["fp32"]
         for (n, p), (_, q) in zip(model.named_parameters(), bf16_model.named_parameters()):
             rounded = p.data.bfloat16()
             moved += int((rounded != master[n].bfloat16()).sum())
             total += rounded.numel()
             q.data.copy_(rounded)
             p.data.copy_(rounded.float())
-        changes["bf16 weights"] = answer_logprobs(model, batch, torch.float32) - base["bf16 weights"]
-        changes["bf16"] = answer_logprobs(bf16_model, batch, torch.bfloat16) - base["bf16"]
+        changes["bf16 weights"] = answer_logprobs(model, batch) - base["bf16 weights"]
+        changes["bf16"] = answer_logprobs(bf16_model, batch) - base["bf16"]
         f = changes["fp32"]
         print(f"{k:>8} | {f:>12.2e} | {changes['bf16 weights']:>10.2e} ({changes['bf16 weights'] / f:5.2f}x) | "
               f"{changes['bf16']:>10.2e} ({changes['bf16'] / f:5.2f}x) | {moved / total:.1%}")

@@ -4,7 +4,6 @@ report) through its CLI, killed once and resumed."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

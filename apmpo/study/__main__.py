@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import shlex
 import shutil
 import signal
