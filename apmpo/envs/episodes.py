@@ -74,7 +74,7 @@ class Episode:
 
 class EpisodeRunner:
     def __init__(self, env_cls: type, tokenizer: Any, limits: EpisodeLimits, num_workers: int = 2):
-        self.env_cls, self.tokenizer, self.limits = env_cls, tokenizer, limits
+        self.tokenizer, self.limits = tokenizer, limits
         self.workers = EnvWorkers(env_cls, num_workers)
         self._logged_failure = False
 
