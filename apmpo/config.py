@@ -247,6 +247,9 @@ class TrainConfig:
     # server, generates and scores: a cold start or a long rollout must not abort the job (NCCL's and DeepSpeed's
     # default is 10-30 min).
     dist_timeout_s: float = ranged(7200.0, "(0, 2592000]")  # at most 30 days
+    # A learner rank whose heartbeat (apmpo/learner/nodes.py) stops this long stops the run, however long a rollout
+    # takes: a lost node is noticed within about twice this, not after dist_timeout_s.
+    peer_timeout_s: float = ranged(60.0, "[1, 2592000]")
     # A step whose gradient norm is not finite is skipped (and counted, train/skipped_steps); this many training
     # steps in a row with a skip stop the run: training must never go on silently doing nothing.
     max_skipped_in_a_row: int = ranged(3, "[1, 2**31 - 1]")

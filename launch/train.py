@@ -40,6 +40,7 @@ from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoin
 from apmpo.learner.driver import Driver
 from apmpo.learner.engine import Dist, build_engine, check_devices, close_distributed, init_distributed, load_model
 from apmpo.learner.logprobs import shares_prompts
+from apmpo.learner.nodes import Nodes
 from apmpo.learner.prepare import load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
 from apmpo.loss import AdaptiveParams, policy_loss
@@ -55,6 +56,9 @@ def main(cfg: Config, resume: str) -> None:
         # (apmpo/learner/driver.py: servers, client, sampler, rewards, stream, validation, push, log)
         driver = stack.enter_context(Driver(cfg, model_path)) if is_main else None
         dist = init_distributed(cfg.train.dist_timeout_s, overlap=cfg.overlap)
+        # Several nodes: a heartbeat stops the run when a rank is lost, and every rank must see the run directory.
+        nodes = stack.enter_context(Nodes(dist.rank, dist.world_size, cfg.train.peer_timeout_s))
+        nodes.check_shared(cfg.run_dir)
         torch_dist.barrier()  # rank 0 has written the model (model.path quickstart)
         torch.manual_seed(cfg.train.seed + dist.rank)
 
