@@ -109,6 +109,9 @@ def main() -> None:
     print(f"{'':22}{'one host':>12}{'two nodes':>12}")
     for key in ("time/step", "time/update", "time/logprob", "time/weight_sync", "all_reduce"):
         print(f"{key + ' (s)':22}{rows['one host'][key]:12.4f}{rows['two nodes'][key]:12.4f}")
+    one, two = rows["one host"], rows["two nodes"]
+    print(f"ratio two nodes/one host: step {two['time/step'] / one['time/step']:.2f}x, "
+          f"all-reduce {two['all_reduce'] / one['all_reduce']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import netns
+
 ROOT = Path(__file__).resolve().parents[1]
 PERCENT, TIMES = r"\d+%", r"\d+\.\d+x"
 TINY = "{tiny_tied}"  # replaced by the path of conftest's tiny_tied model
@@ -38,6 +40,7 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
               "--set", "rollout.num_servers=1", "--set", "rollout.prompts_per_step=4", "--set", "train.mini_batch_size=2",
               "--out", "/tmp/apmpo_bench_lora"],
              rf"ratio lora/full: push bytes \d+\.\d+x, .* s/step {TIMES}"),
+    "multinode": (["--steps", "2", "--repeats", "2"], rf"ratio two nodes/one host: step {TIMES}, all-reduce {TIMES}"),
 }
 
 
@@ -65,6 +68,8 @@ def benchmark_runs(tiny_tied):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", BENCHMARKS)
 def test_benchmark_prints_its_ratio(script, benchmark_runs, capsys):
+    if script == "multinode" and (why := netns.unusable()):
+        pytest.skip(why)
     args, result = benchmark_runs[script]
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(BENCHMARKS[script][1], result.stdout), result.stdout[-3000:]
