@@ -257,7 +257,13 @@ class TrainConfig:
     # (apmpo.learner.collect.RolloutStream). 0: the synchronous loop. Pair it with `correction` (e.g. mode: tis),
     # which corrects the gap between the engine's (older) policy and the learner's.
     max_staleness: int = ranged(0, "[0, 1024]")
-    zero_stage: int = ranged(2, "[0, 2]")
+    # DeepSpeed ZeRO: 2 partitions gradients and optimiser state, every rank keeps whole weights; 3 partitions the
+    # weights too (a model that does not fit replicated: docs/training.md, "Memory"), gathered a layer at a time
+    # for the forward, the weight push and the hf/ export.
+    zero_stage: int = ranged(2, "[0, 3]")
+    # "cpu": the fp32 master weights and Adam state live in host memory and the optimiser steps there (ZeRO-Offload,
+    # stage >= 1); about 12 bytes a parameter off each GPU, for a slower step.
+    offload_optimizer: Literal["none", "cpu"] = "none"
     # dtype of ZeRO's gradient reduce-scatter (DeepSpeed's communication_data_type). None: the model's (bf16 on
     # GPU); "fp32" reduces in fp32, twice the bytes on the wire (its cost: scripts/gpu_check.py, learner_fp32_comm).
     communication_data_type: Literal["fp32", "bf16"] | None = None
@@ -373,6 +379,7 @@ class Config:
                 f"> rollout.max_model_len ({r.max_model_len}): the longest prompts could not be completed; lower "
                 "one of the first two or raise the third")
         _check_correction(self)
+        _check_zero(self)
         _check_servers(self)
         _check_episodes(self)
         turns = self.data.max_turns if self.data.env else 1  # each turn of each episode has a seed of its own
@@ -392,6 +399,17 @@ class Config:
                           "mini_batches_per_rollout": self.mini_batches_per_rollout,
                           "total_optimizer_steps": self.total_optimizer_steps, "overlap": self.overlap}
         return out
+
+
+def _check_zero(cfg: Config) -> None:
+    t = cfg.train
+    if t.offload_optimizer != "none" and t.zero_stage == 0:
+        raise ConfigError("train.offload_optimizer: cpu needs train.zero_stage >= 1: ZeRO-Offload moves ZeRO's "
+                          "partitioned optimiser state; stage 0 has none")
+    if t.zero_stage == 3 and cfg.model.lora is not None:
+        raise ConfigError("train.zero_stage: 3 with model.lora is not supported: the adapter's push and merged "
+                          "export read the base weights whole. A LoRA run's optimiser state is the adapter's alone, "
+                          "so ZeRO-2 (the default) already holds little beyond the frozen base model")
 
 
 def _check_sampling(sampling: Sampling, n: int, where: str) -> None:

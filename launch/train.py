@@ -38,11 +38,13 @@ from apmpo.learner import lora
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
 from apmpo.learner.driver import Driver
-from apmpo.learner.engine import Dist, build_engine, check_devices, close_distributed, init_distributed, load_model
+from apmpo.learner.engine import (Dist, build_engine, check_devices, close_distributed, init_distributed, load_model,
+                                  partition_reference, start_micro_batch)
 from apmpo.learner.logprobs import shares_prompts
 from apmpo.learner.nodes import Nodes
 from apmpo.learner.prepare import load_vision, prepare_model
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
+from apmpo.learner.zero3 import WholeWeights
 from apmpo.loss import AdaptiveParams, policy_loss
 from apmpo.rollout.launcher import follow_deepspeed_runner
 
@@ -67,14 +69,17 @@ def main(cfg: Config, resume: str) -> None:
         engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
         # With LoRA the reference is the policy itself, its adapter off (lora.adapter_disabled): no second copy.
         reference = None if cfg.loss.kl_beta == 0 else (
-            engine.module if cfg.model.lora else load_model(model_path, cfg, dist.device, trainable=False))
+            engine.module if cfg.model.lora
+            else partition_reference(load_model(model_path, cfg, dist.device, trainable=False), cfg))
         vision = load_vision(model_path, tokenizer)  # None for text models
         trainer_state = resume_checkpoint(engine, cfg.run_dir, resume, dist.rank)  # rank 0 picks it, all load it
         start_step = trainer_state.get("step", 0)
+        weights = WholeWeights(engine.module, engine, dist.rank, dist.world_size)  # whole weights for the push and save_best
         if dist.is_main:
             print(f"[apmpo] run {cfg.run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
-            driver.connect(engine, tokenizer, vision, trainer_state)  # servers ready; the stream starts generating
+            driver.connect(engine, weights, tokenizer, vision, trainer_state)  # servers ready; the stream starts
+        weights.settle()  # ZeRO-3: the other ranks join the gathers of rank 0's reads until here
 
         # One full collection now, of all the start-up left, and then the heap it leaves is frozen: the steps'
         # collections never scan it (the first one after start-up took 0.33 s of a 0.25 s step). Unfrozen at the
@@ -106,9 +111,10 @@ def main(cfg: Config, resume: str) -> None:
 
             # ---------------------------------------------------------- 8-9. weight sync, validate, log (rank 0)
             if dist.is_main:
-                metrics |= batch.metrics | batch.times | driver.push(engine.module)
+                metrics |= batch.metrics | batch.times | driver.push(weights)
                 metrics["time/step"] = time.perf_counter() - step_start  # validation excluded: not every step
-                driver.log(step, metrics, engine)
+                driver.log(step, metrics, engine, weights)
+            weights.settle()
             # ---------------------------------------------------------- 9. checkpoint (every rank)
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps):
                 state = driver.resume_state(step + 1) if dist.is_main else {}
@@ -154,7 +160,7 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
     for _ in range(cfg.train.epochs):
         for step, mini in zip(plan, micro):
             for k, mb in enumerate(mini):
-                engine.set_gradient_accumulation_boundary(k == len(mini) - 1)
+                start_micro_batch(engine, last=k == len(mini) - 1)
                 logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=on_policy)
                 if on_policy:
                     mb.old_logp = logp.detach()

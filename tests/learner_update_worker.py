@@ -12,6 +12,7 @@ on. tests/test_learner.py compares scenarios that split the same batch different
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from apmpo.config import load_config  # noqa: E402
 from apmpo.learner.batching import Rollout, plan_step  # noqa: E402
 from apmpo.learner.engine import build_engine, close_distributed, init_distributed  # noqa: E402
 from apmpo.learner.logprobs import shares_prompts  # noqa: E402
+from apmpo.learner.zero3 import WholeWeights, gathered_parameters, is_partitioned  # noqa: E402
 from apmpo.loss import adaptive_params, group_advantages  # noqa: E402
+from apmpo.rollout.weight_sync import StreamedTensors  # noqa: E402
 from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
 
 
@@ -71,7 +74,7 @@ def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool
                              "train.mini_batch_size=4", "optim.lr=1e-2", "optim.adam_eps=1e-3",
                              "optim.max_grad_norm=1.0", *set])
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, tie_word_embeddings=True, seed=0).train()
+    model = build_model(tokenizer, tie_word_embeddings=os.environ.get("UNTIED") is None, seed=0).train()
     engine = build_engine(model, cfg, dist)
     reference = build_model(tokenizer, seed=1).requires_grad_(False) if cfg.loss.kl_beta > 0 else None
 
@@ -88,7 +91,16 @@ def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool
     metrics = train.train_on_batch(engine, reference, rollouts, params, cfg, dist, tokenizer.pad_token_id, seed=0,
                                    recompute_old=recompute_old)
     Path(out).mkdir(parents=True, exist_ok=True)
-    torch.save({"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+    weights = WholeWeights(engine.module, engine, dist.rank, dist.world_size)
+    if dist.is_main:
+        pushed = weights.for_push()  # the push's stream under ZeRO-3, gathered as it is read
+        pushed = {name: t.clone() for (name, _, _), t in zip(pushed.specs, pushed.tensors)} \
+            if isinstance(pushed, StreamedTensors) else {name: t.detach().clone() for name, t in pushed}
+    weights.settle()
+    resident = sum((p.ds_tensor if is_partitioned(p) else p).numel() * p.element_size()
+                   for p in engine.module.parameters())
+    torch.save({"params": {n: t.detach().clone() for n, t in gathered_parameters(engine.module)}, "pushed": pushed if dist.is_main else None,
+                "param_bytes": resident,
                 "grad_norms": grad_norms, "micro_batches": [len(step.micro[dist.rank]) for step in plan],
                 "metrics": metrics, "trained": sorted(i for step in plan for m in step.micro[dist.rank] for i in m)},
                Path(out) / f"rank{dist.rank}.pt")

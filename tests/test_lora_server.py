@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from apmpo.config import LoraConfig
 from apmpo.learner import lora
+from apmpo.learner.zero3 import WholeWeights
 from apmpo.rollout import GenerationClient, ServerError
 from apmpo.rollout.launcher import start_server
 from apmpo.rollout.pool import ServerPool
@@ -93,7 +94,7 @@ def test_after_push_k_the_engine_scores_as_the_learner_does_and_not_as_the_base(
     # Push 1 shares the shm segment (begin, then bucket by bucket), push 2 writes into it and loads in one request.
     for k, in_place in ((1, False), (2, True)):
         randomise(policy, seed=k)
-        assert lora.push_policy(client, policy) == k
+        assert lora.push_policy(client, WholeWeights(policy)) == k
         assert (client.last_push.transport, client.last_push.in_place) == ("shm", in_place)
         assert_scores_as_the_policy(client, policy, k)
     # Only the adapter went: its tensors' bytes (fp32 here), no base weight. Every one is a whole number of the
@@ -108,7 +109,7 @@ def test_after_push_k_the_engine_scores_as_the_learner_does_and_not_as_the_base(
 def test_an_adapter_goes_over_gloo_as_over_shm(server, policy):
     randomise(policy, seed=6)
     with GenerationClient(server.url, transport="gloo") as over_gloo:  # its group replaces the module client's
-        version = lora.push_policy(over_gloo, policy)
+        version = lora.push_policy(over_gloo, WholeWeights(policy))
         assert over_gloo.last_push.transport == "gloo"
         assert_scores_as_the_policy(over_gloo, policy, version)
 
@@ -156,21 +157,21 @@ def test_a_server_without_lora_refuses_an_adapter_push_with_409(tiny_server, pol
     with GenerationClient(tiny_server.url, token=SERVER_TOKEN) as plain:
         version = plain.info()["weight_version"]
         with pytest.raises(ServerError, match="started without --enable-lora") as error:
-            lora.push_policy(plain, policy)
+            lora.push_policy(plain, WholeWeights(policy))
         assert error.value.status == 409 and plain.info()["weight_version"] == version
 
 
 def test_versions_older_than_lora_versions_are_unloaded(client, policy):
     randomise(policy, seed=3)
     pool = ServerPool([client])  # a pool pushes as its clients do (not closed: it would close the module's client)
-    version = lora.push_policy(pool, policy)
+    version = lora.push_policy(pool, WholeWeights(policy))
     assert pool.last_push.transport == "shm"
     assert client.info()["lora_ids"] == [version - 1, version]
 
 
 def test_a_request_in_flight_during_a_push_keeps_its_adapter(client, policy):
     randomise(policy, seed=4)
-    before = lora.push_policy(client, policy)
+    before = lora.push_policy(client, WholeWeights(policy))
     result, times = {}, {}
 
     def generate():
@@ -183,7 +184,7 @@ def test_a_request_in_flight_during_a_push_keeps_its_adapter(client, policy):
     time.sleep(0.5)
     randomise(policy, seed=5)
     times["push"] = time.monotonic()
-    after = lora.push_policy(client, policy)
+    after = lora.push_policy(client, WholeWeights(policy))
     thread.join()
     assert times["push"] < times["end"], "the generate ended before the push began: it proves nothing, lengthen it"
     assert after == before + 1

@@ -20,6 +20,7 @@ from apmpo.eval.__main__ import main as eval_main
 from apmpo.eval.run import resolve_benchmarks
 from apmpo.eval.validate import Validation
 from apmpo.learner.checkpoint import _prune, best_record, save_best, start_fresh
+from apmpo.learner.zero3 import WholeWeights
 from apmpo.quickstart import DIGITS, VAL_DIGIT_SETS, make_samples, make_val_samples, save_quickstart_model
 from apmpo.rewards import RewardPool
 from fakes import FakeServer
@@ -92,12 +93,12 @@ def test_shipped_quickstart_validates_every_10_steps_on_held_out_prompts():
 
 def test_keep_best_keeps_the_highest_value_and_survives_pruning(tiny_tied, tmp_path):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_tied), AutoTokenizer.from_pretrained(tiny_tied)
-    key = "val/math500/pass@1"
-    assert save_best(model, tokenizer, tmp_path, 2, key, 0.25)
-    assert not save_best(model, tokenizer, tmp_path, 4, key, 0.25)  # equal is not better: the earlier step stays
-    assert not save_best(model, tokenizer, tmp_path, 6, key, 0.125)
+    weights, key = WholeWeights(model), "val/math500/pass@1"
+    assert save_best(weights, tokenizer, tmp_path, 2, key, 0.25)
+    assert not save_best(weights, tokenizer, tmp_path, 4, key, 0.25)  # equal is not better: the earlier step stays
+    assert not save_best(weights, tokenizer, tmp_path, 6, key, 0.125)
     assert best_record(tmp_path) == {"key": key, "value": 0.25, "step": 2}
-    assert save_best(model, tokenizer, tmp_path, 8, key, 0.5)
+    assert save_best(weights, tokenizer, tmp_path, 8, key, 0.5)
     assert best_record(tmp_path) == {"key": key, "value": 0.5, "step": 8}
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["best"]  # no best.tmp / best.old left behind

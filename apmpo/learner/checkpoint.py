@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import re
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as torch_dist
 
 from apmpo.learner.lora import has_adapter, save_merged
+from apmpo.learner.zero3 import consolidated_state_dict, full_shape, partitioned
 
 DEEPSPEED_TAG = "deepspeed"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -51,8 +53,9 @@ def checkpoint_bytes(engine, world_size: int, export_hf: bool) -> int:
     """About what one checkpoint takes on disk, all ranks together: the module's weights (DeepSpeed's model
     states, and hf/ once more), ZeRO's fp32 master weights and Adam's two fp32 moments (12 bytes a parameter,
     partitioned over the ranks), and 1 MiB a rank for pickling, RNG states, config and tokenizer files."""
-    numel = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)  # only these have optimiser state
-    weights = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    numels = [(math.prod(full_shape(p)), p) for p in engine.module.parameters()]
+    numel = sum(n for n, p in numels if p.requires_grad)  # only these have optimiser state
+    weights = sum(n * p.element_size() for n, p in numels)
     return weights * (2 if export_hf else 1) + 12 * numel + world_size * (1 << 20)
 
 
@@ -72,11 +75,13 @@ def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, token
     try:
         engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        # ZeRO-3: every rank takes part in gathering the weights for hf/ (rank 0 gets them, on CPU)
+        whole = consolidated_state_dict(engine) if export_hf and partitioned(engine.module) else None
         if rank == 0:
             if has_adapter(engine.module):
                 engine.module.save_pretrained(tmp / "adapter")  # adapter_config.json + adapter_model.safetensors
             if export_hf:
-                export_model(engine.module, tokenizer, tmp / "hf")
+                export_model(engine.module, tokenizer, tmp / "hf", whole)
             (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
     except Exception as error:  # noqa: BLE001  (only a full disk is translated; anything else re-raises as is)
         if not _disk_full(error, root):
@@ -158,19 +163,19 @@ def best_record(run_dir: Path) -> dict | None:
     return None
 
 
-def save_best(model, tokenizer, run_dir: Path, step: int, key: str, value: float) -> bool:
+def save_best(weights, tokenizer, run_dir: Path, step: int, key: str, value: float) -> bool:
     """checkpoint.keep_best, on rank 0 after a validation: when `value` (of the validation metric `key`) beats the
-    best so far, writes the policy to checkpoints/best/hf (safetensors + tokenizer, as step_<k>/hf: loadable by
-    from_pretrained, the server and `python -m apmpo.eval --model runs/<name>/checkpoints/best`) with best.json.
-    ZeRO-2 keeps full weights on every rank, so no collective is needed. Pruning never touches best/. Returns
-    whether it was written."""
+    best so far, writes the policy (apmpo.learner.zero3.WholeWeights: under ZeRO-3 the other ranks join its gather)
+    to checkpoints/best/hf (safetensors + tokenizer, as step_<k>/hf: loadable by from_pretrained, the server and
+    `python -m apmpo.eval --model runs/<name>/checkpoints/best`) with best.json. Pruning never touches best/.
+    Returns whether it was written."""
     best = best_record(run_dir)
     if best is not None and best["key"] == key and not value > best["value"]:
         return False
     root = checkpoint_dir(run_dir)
     tmp, final, old = root / "best.tmp", root / "best", root / "best.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    export_model(model, tokenizer, tmp / "hf")
+    export_model(weights.model, tokenizer, tmp / "hf", weights.export_state())
     (tmp / "best.json").write_text(json.dumps({"key": key, "value": value, "step": step}, indent=1))
     _fsync_tree(tmp)
     shutil.rmtree(old, ignore_errors=True)
@@ -181,12 +186,13 @@ def save_best(model, tokenizer, run_dir: Path, step: int, key: str, value: float
     return True
 
 
-def export_model(model, tokenizer, directory: Path) -> None:
-    """The policy as a plain HF model (safetensors, config, tokenizer): with LoRA, the adapter merged in."""
+def export_model(model, tokenizer, directory: Path, state_dict: dict | None = None) -> None:
+    """The policy as a plain HF model (safetensors, config, tokenizer): with LoRA, the adapter merged in.
+    `state_dict`: the weights to write where the module's own are partitioned (ZeRO-3), else None."""
     if has_adapter(model):
         save_merged(model, directory)
     else:
-        model.save_pretrained(directory, safe_serialization=True)
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(directory)
 
 

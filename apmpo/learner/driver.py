@@ -6,10 +6,13 @@ learner ranks hold none of it; launch/train.py keeps the loop visible and calls 
 
     driver = stack.enter_context(Driver(cfg, model_path))   # starts the servers; their engines load meanwhile
     ...                                                      # the learner builds its model and engine
-    driver.connect(engine, tokenizer, vision, trainer_state) # servers ready, the stream starts generating
+    driver.connect(engine, weights, tokenizer, vision, state) # servers ready, the stream starts generating
     batch = driver.next_batch(step)                          # rollouts, advantages, APMPO's p / FSS / eps_ada
-    push_times = driver.push(engine.module)                  # the new weights into every server
-    driver.log(step, metrics, engine, ...)                   # validation every eval.every steps, then one log line
+    push_times = driver.push(weights)                        # the new weights into every server
+    driver.log(step, metrics, engine, weights)               # validation every eval.every steps, then one log line
+
+`weights` (apmpo.learner.zero3.WholeWeights) reads the policy's whole weights: under ZeRO-3 the other ranks join
+each read, in `weights.settle()`.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from apmpo.learner.checkpoint import save_best
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
 from apmpo.learner.engine import check_devices
 from apmpo.learner.metrics import MetricsLogger
+from apmpo.learner.zero3 import WholeWeights
 from apmpo.learner.prepare import load_prompts
 from apmpo.loss import AdaptiveParams
 from apmpo.rewards import RewardPool, get_reward
@@ -68,7 +72,7 @@ class Driver(contextlib.ExitStack):
             wait=shares_gpu, overlap=cfg.overlap))
         self.policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
 
-    def connect(self, engine, tokenizer, vision, trainer_state: dict) -> None:
+    def connect(self, engine, weights: WholeWeights, tokenizer, vision, trainer_state: dict) -> None:
         """Once the learner is built (and resumed): the data, the reward pool, the client (pushing the learner's
         weights where the servers may hold others), validation, the log and the stream."""
         cfg, start_step = self.cfg, trainer_state.get("step", 0)
@@ -88,9 +92,9 @@ class Driver(contextlib.ExitStack):
             sync_timeout_s=r.sync_timeout_s))
         # Now, while no generation holds the engines: a join behind a batch's generation would outlast the deadline
         # (minutes of 512 x 8 samples on GPU) with max_staleness >= 1.
-        self.client.join_weight_group(lora.policy_tensors(engine.module))  # with LoRA, the adapter's alone
+        self.client.join_weight_group(lora.policy_tensors(weights))  # with LoRA, the adapter's alone
         if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
-            self.push(engine.module)
+            self.push(weights)
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
         sampling = cfg.rollout.sampling(stop_token_ids(self.model_path, tokenizer))  # stops as in evaluation
         episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: multi-turn episodes, else None
@@ -112,13 +116,13 @@ class Driver(contextlib.ExitStack):
                      "rollout/discarded_stale": self.stream.discarded}
         return Batch(batch.rollouts, batch.params, batch.metrics | staleness, times)
 
-    def push(self, model) -> dict[str, float]:
+    def push(self, weights: WholeWeights) -> dict[str, float]:
         """The learner's weights (or its adapter) into every server; the seconds, and the engines' loading part."""
-        self.policy_version = lora.push_policy(self.client, model)  # the adapter alone with LoRA
+        self.policy_version = lora.push_policy(self.client, weights)  # the adapter alone with LoRA
         push = self.client.last_push
         return {"time/weight_sync": push.seconds, "time/weight_sync_engine_load": push.reload_s - push.wait_s}
 
-    def log(self, step: int, metrics: dict[str, float], engine) -> None:
+    def log(self, step: int, metrics: dict[str, float], engine, weights: WholeWeights) -> None:
         """Validation every eval.every steps and after the last (keeping the best policy when asked), then the
         step's one log line."""
         cfg = self.cfg
@@ -126,7 +130,7 @@ class Driver(contextlib.ExitStack):
             with self.stream.paused():  # the servers hold this step's weights
                 metrics |= self.validation.run(self.client, self.pool.score, step)
             if cfg.checkpoint.keep_best:
-                save_best(engine.module, self.vision or self.tokenizer, cfg.run_dir, step, cfg.checkpoint.keep_best,
+                save_best(weights, self.vision or self.tokenizer, cfg.run_dir, step, cfg.checkpoint.keep_best,
                           metrics[cfg.checkpoint.keep_best])
         self.logger.log(step, {**metrics, "optim/lr": engine.get_lr()[0]})
 

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-2 set-up for the policy, and the frozen reference model.
+"""DeepSpeed ZeRO set-up for the policy (stage 2 by default, 3 for a model that does not fit replicated), and the
+frozen reference model.
 
 Gradient accumulation is ours, not DeepSpeed's: micro-batches come from a token budget, so their number
 varies per optimiser step. DeepSpeed is configured with gradient_accumulation_steps=1 (its backward then
@@ -17,6 +18,7 @@ import torch
 
 from apmpo.config import Config, ConfigError
 from apmpo.cpu_memory import keep_freed_memory
+from apmpo.learner.logprobs import attach_logprob_head
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,21 @@ def _check_no_dropout(model) -> None:
                          "set those rates to 0 in the model's config.json")
 
 
+def partition_reference(model, cfg: Config):
+    """Under ZeRO-3 the frozen reference model is partitioned as the policy is (a DeepSpeed engine with no
+    optimiser, whose forward gathers a layer at a time), rather than replicated whole on every rank; otherwise it
+    is returned as it is."""
+    if cfg.train.zero_stage != 3:
+        return model
+    import deepspeed
+
+    attach_logprob_head(model)
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": cfg.model.dtype == "bf16"}, "steps_per_print": 1 << 30})
+    return engine.module
+
+
 def lr_lambda(cfg: Config):
     """Linear warm-up, then constant, cosine or linear decay to 0 over the remaining optimiser steps."""
     warmup = cfg.optim.warmup_steps
@@ -183,12 +200,37 @@ def build_engine(model, cfg: Config, dist: Dist):
     """The DeepSpeed engine around the policy: ZeRO-2, AdamW (torch's, so nothing is JIT-compiled), clipping."""
     import deepspeed
 
+    if cfg.train.zero_stage == 3:
+        attach_logprob_head(model)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_config(cfg, dist),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
     )
     return engine
+
+
+def zero_extras(cfg: Config, dist: Dist) -> dict:
+    """ZeRO-3's and ZeRO-Offload's keys. The whole weights are gathered by apmpo.learner.zero3 (a layer at a
+    time, for the push and the hf/ export), so DeepSpeed's own gather on save stays off: its checkpoint holds the
+    partitions."""
+    extras = {}
+    if cfg.train.zero_stage == 3:
+        extras["stage3_gather_16bit_weights_on_model_save"] = False
+    if cfg.train.offload_optimizer == "cpu":
+        # torch's AdamW steps the offloaded fp32 state (torch_adam below): DeepSpeedCPUAdam would be JIT-compiled.
+        extras["offload_optimizer"] = {"device": "cpu", "pin_memory": dist.device.type == "cuda"}
+    return extras
+
+
+def start_micro_batch(engine, last: bool) -> None:
+    """Before a micro-batch's forward: whether its backward ends the optimiser step, and what engine.forward does
+    first, since our forwards run the module's parts directly (apmpo.learner.logprobs): ZeRO-3 counts micro-batches
+    there, and copies the first one's gradients into its partitions but adds the later ones (uncounted, every
+    micro-batch overwrote the last)."""
+    engine.set_gradient_accumulation_boundary(last)
+    if hasattr(engine.optimizer, "clear_backward_seen_flag"):  # a ZeRO optimiser
+        engine.optimizer.clear_backward_seen_flag()
 
 
 def deepspeed_config(cfg: Config, dist: Dist) -> dict:
@@ -199,7 +241,7 @@ def deepspeed_config(cfg: Config, dist: Dist) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": o.max_grad_norm,
         "zero_optimization": {"stage": cfg.train.zero_stage, "overlap_comm": dist.device.type == "cuda",
-                              "contiguous_gradients": True},
+                              "contiguous_gradients": True, **zero_extras(cfg, dist)},
         # A non-finite gradient norm skips the step and clears the gradients (DeepSpeed does so in fp32 always,
         # in bf16 only when asked): launch/train.py counts the skips.
         "bf16": {"enabled": cfg.model.dtype == "bf16", "check_grad_overflow": True},

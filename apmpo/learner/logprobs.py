@@ -19,9 +19,9 @@ placeholders' probability mass.
 Models: any HF causal LM whose backbone is `model.model` and whose head is `model.get_output_embeddings()`,
 tied or untied (Qwen2, Qwen2.5, Llama). Qwen2.5-VL plugs in unchanged: `Qwen2_5_VLForConditionalGeneration
 .model` is the full multimodal backbone, so pass `pixel_values=..., image_grid_thw=...` as keyword arguments
-and they reach it (it builds its own M-RoPE positions). Under DeepSpeed ZeRO-2 pass `engine.module`: the
-parameters are whole on every rank and `engine.backward` still reduces their gradients. (ZeRO-3 is not
-supported: the head's weight is read directly.)
+and they reach it (it builds its own M-RoPE positions). Under DeepSpeed pass `engine.module`: under ZeRO-2
+the parameters are whole on every rank and `engine.backward` still reduces their gradients; under ZeRO-3 the
+head's chunks run in a module of the policy's own, which DeepSpeed's hooks gather the weight for (`LogprobHead`).
 
 Positions: rows are right-padded (prompt, completion, padding), so the backbone's default position ids
 (0, 1, 2, ...) are right. For left padding pass `position_ids=` yourself. Padding is never scored, so it
@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from apmpo.learner.zero3 import full_shape, is_partitioned, partitioned
 
 KEEP_LOGPROBS_BYTES = 2**30  # the backward reuses the forward's log-softmax where all of a call's fit in this
 
@@ -82,25 +84,57 @@ def token_logprobs(
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("the LM head has a bias; chunked log-probs support bias-free heads (Qwen, Llama)")
-    bias = never_sampled_bias(model.config, head.weight.shape[0], head.weight.device)
+    bias = never_sampled_bias(model.config, full_shape(head.weight)[0], states.device)
+    if is_partitioned(head.weight):  # ZeRO-3: the head's weight is gathered by a module of the policy's own
+        if not hasattr(model, "apmpo_logprob_head"):
+            raise ValueError("under ZeRO-3 the model needs attach_logprob_head(model) before deepspeed.initialize")
+        logps, entropies = model.apmpo_logprob_head(states, targets, head.weight, temperature, chunk_tokens,
+                                                    with_entropy, bias)
+    else:
+        logps, entropies = chunked_head_logprobs(states, targets, head.weight, temperature, chunk_tokens,
+                                                 with_entropy, bias)
+    zeros = torch.zeros(logits_mask.shape, dtype=torch.float32, device=states.device)
+    logp = zeros.masked_scatter(logits_mask, logps)
+    return logp, zeros.masked_scatter(logits_mask, entropies) if with_entropy else None
 
+
+def chunked_head_logprobs(states: Tensor, targets: Tensor, weight: Tensor, temperature: float, chunk_tokens: int,
+                          with_entropy: bool, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """log pi(targets | states) [M] through the head's `weight`, `chunk_tokens` at a time, and the entropies [M]
+    (empty without `with_entropy`)."""
     # Where every chunk's log-softmax fits KEEP_LOGPROBS_BYTES together, the backward reuses them rather than run
     # the head again: one [tokens, vocab] matmul less (about 6% of SmolLM2's update on CPU, 0.9 s; paper-scale
     # micro-batches, 10 GB of them, recompute).
-    keep = torch.is_grad_enabled() and targets.numel() * head.weight.shape[0] * 4 <= KEEP_LOGPROBS_BYTES
+    keep = torch.is_grad_enabled() and targets.numel() * weight.shape[0] * 4 <= KEEP_LOGPROBS_BYTES
     logps, entropies = [], []
     for start in range(0, targets.numel(), chunk_tokens):
         h, y = states[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        logp, entropy = _ChunkLogprobs.apply(h, head.weight, y, temperature, with_entropy, bias, keep)
+        logp, entropy = _ChunkLogprobs.apply(h, weight, y, temperature, with_entropy, bias, keep)
         logps.append(logp)
         entropies.append(entropy)
+    if not logps:
+        return states.new_zeros(0, dtype=torch.float32), states.new_zeros(0, dtype=torch.float32)
+    return torch.cat(logps), torch.cat(entropies)
 
-    zeros = torch.zeros(logits_mask.shape, dtype=torch.float32, device=states.device)
-    logp = zeros.masked_scatter(logits_mask, torch.cat(logps)) if logps else zeros
-    if not with_entropy:
-        return logp, None
-    entropy = zeros.masked_scatter(logits_mask, torch.cat(entropies)) if entropies else zeros
-    return logp, entropy
+
+class LogprobHead(nn.Module):
+    """chunked_head_logprobs as a module of the policy, for ZeRO-3 (attach_logprob_head). The head's weight is
+    this module's external parameter, so DeepSpeed gathers it once for all of a call's chunks, and once more for
+    their backward, while the module runs. Gathers are collectives: every rank gathers as often, whatever its
+    number of chunks, where calling the head module chunk by chunk would not."""
+
+    def forward(self, states: Tensor, targets: Tensor, weight: Tensor, temperature: float, chunk_tokens: int,
+                with_entropy: bool, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        return chunked_head_logprobs(states, targets, weight, temperature, chunk_tokens, with_entropy, bias)
+
+
+def attach_logprob_head(model: nn.Module) -> None:
+    """Before deepspeed.initialize with ZeRO-3 (so that its hooks cover it): the policy's LogprobHead, the head's
+    weight registered as its external parameter. It holds no parameters, so state dicts are unchanged."""
+    import deepspeed
+
+    model.apmpo_logprob_head = LogprobHead()
+    deepspeed.zero.register_external_parameter(model.apmpo_logprob_head, model.get_output_embeddings().weight)
 
 
 def never_sampled_bias(config, vocab: int, device: torch.device) -> Tensor | None:
@@ -120,10 +154,13 @@ def never_sampled_bias(config, vocab: int, device: torch.device) -> Tensor | Non
 
 def shares_prompts(model: nn.Module) -> bool:
     """Text models with a full-attention KV cache. Not vision-language models (their M-RoPE positions come from
-    the whole row) and not under gradient checkpointing (it drops the cache in training)."""
+    the whole row), not under gradient checkpointing (it drops the cache in training), and not under ZeRO-3: every
+    rank must run the backbone as often, since each run gathers its weights, and whether a micro-batch's rows share
+    a prompt (two passes) or not (one) differs between ranks."""
     config = model.config
     return (getattr(config, "vision_config", None) is None and not getattr(config, "use_sliding_window", False)
-            and not (model.training and getattr(model, "is_gradient_checkpointing", False)))
+            and not (model.training and getattr(model, "is_gradient_checkpointing", False))
+            and not partitioned(model))
 
 
 def _prompt_of_each_row(input_ids: Tensor, attention_mask: Tensor, logits_mask: Tensor

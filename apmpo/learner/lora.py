@@ -58,18 +58,20 @@ def adapter_config(model) -> dict:
     return {key: list(value) if isinstance(value, set) else value for key, value in config.items()}
 
 
-def push_policy(client, model) -> int:
-    """Pushes the policy into the generation server(s) (a GenerationClient or a ServerPool); returns the new
-    weight version. With an adapter only the adapter goes (push_adapter), else every weight (push_weights), both
-    through the weight group."""
+def push_policy(client, weights) -> int:
+    """Pushes the policy (apmpo.learner.zero3.WholeWeights) into the generation server(s) (a GenerationClient or a
+    ServerPool); returns the new weight version. With an adapter only the adapter goes (push_adapter), else every
+    weight (push_weights), both through the weight group."""
+    model = weights.model
     if not has_adapter(model):
-        return client.push_weights(model.named_parameters())
+        return client.push_weights(weights.for_push())
     return client.push_adapter(adapter_tensors(model), adapter_config(model))
 
 
-def policy_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """What push_policy sends: the adapter's tensors, or every weight (for join_weight_group)."""
-    return adapter_tensors(model) if has_adapter(model) else list(model.named_parameters())
+def policy_tensors(weights) -> list[tuple[str, torch.Tensor]]:
+    """What push_policy sends: the adapter's tensors, or every weight's layout (for join_weight_group)."""
+    model = weights.model
+    return adapter_tensors(model) if has_adapter(model) else weights.layout()
 
 
 def server_args(cfg: Config) -> tuple[str, ...]:

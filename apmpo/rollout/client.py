@@ -30,9 +30,9 @@ import torch
 
 from apmpo.rollout.net import in_thread, is_loopback, local_address_towards
 from apmpo.rollout.sampling import Sampling
-from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, Transport, WeightGroup, all_finite,
-                                       holds_in_place, pack_in_place, plan_buckets, select_transport, send_buckets,
-                                       sweep_orphans_in_shm)
+from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, StreamedTensors, Transport, WeightGroup,
+                                       all_finite, holds_in_place, pack_in_place, plan_buckets, select_transport,
+                                       send_buckets, sweep_orphans_in_shm)
 
 # How often a starting server is asked whether it is ready: it refuses connections until its engine is loaded,
 # so asking is cheap, and each poll interval is start-up time lost on average by half.
@@ -245,21 +245,25 @@ class WeightSender:
         settings = {(c.transport, c.bucket_bytes, c.sync_host, c.sync_timeout_s) for c in clients}
         return len(settings) == 1 and len({c.sync_host or local_address_towards(_host(c.url)) for c in clients}) == 1
 
-    def _plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[torch.Tensor], list[Bucket]]:
+    def _plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | StreamedTensors
+              ) -> tuple[Iterable[torch.Tensor], list[Bucket], torch.device]:
         first = self.clients[0]
-        named = [(name, tensor.detach()) for name, tensor in named_tensors]
-        if not named:
+        if not isinstance(named_tensors, StreamedTensors):
+            named = [(name, tensor.detach()) for name, tensor in named_tensors]
+            refuse_non_finite(named)
+            named_tensors = StreamedTensors([(name, t.dtype, tuple(t.shape)) for name, t in named],
+                                            [t for _, t in named], named[0][1].device if named else None)
+        if not named_tensors.specs:
             raise ValueError("a push got no tensors")
-        refuse_non_finite(named)
         engine_dtype = getattr(torch, (first._info or first.info())["dtype"])
-        buckets = plan_buckets(((name, engine_dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
-                                for name, t in named), first.bucket_bytes)
-        return [tensor for _, tensor in named], buckets
+        buckets = plan_buckets(((name, engine_dtype if dtype.is_floating_point else dtype, shape)
+                                for name, dtype, shape in named_tensors.specs), first.bucket_bytes)
+        return named_tensors.tensors, buckets, named_tensors.device
 
-    def join_for(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightGroup:
+    def join_for(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | StreamedTensors) -> WeightGroup:
         """The group, joined now if it was not, for pushes of tensors like these."""
-        tensors, buckets = self._plan(named_tensors)
-        return self.group or self._join(tensors[0].device, sum(b.nbytes for b in buckets))
+        _, buckets, device = self._plan(named_tensors)
+        return self.group or self._join(device, sum(b.nbytes for b in buckets))
 
     def _join(self, device: torch.device, nbytes: int) -> WeightGroup:
         first, timeout_s = self.clients[0], self.clients[0].sync_timeout_s
@@ -291,10 +295,10 @@ class WeightSender:
         """Sends HF-named tensors to every server, each bucket once; returns each server's update response
         (weight_version, reload_s, wait_s). Any failure drops the group: the next push builds a fresh one.
         `adapter`: the tensors are a LoRA adapter's and this its config (GenerationClient.push_adapter)."""
-        tensors, buckets = self._plan(named_tensors)
+        tensors, buckets, device = self._plan(named_tensors)
         start = time.perf_counter()
         nbytes = sum(b.nbytes for b in buckets)
-        group = self.group or self._join(tensors[0].device, nbytes)
+        group = self.group or self._join(device, nbytes)
         declared = {"buckets": [{"nbytes": b.nbytes, "tensors": [{"name": t.name, "dtype": t.dtype,
                                                                   "shape": list(t.shape), "offset": t.offset}
                                                                  for t in b.tensors]} for b in buckets],
@@ -317,10 +321,11 @@ class WeightSender:
             failed = [r for r in loads if isinstance(r, BaseException)]
             if failed:
                 self.close()
-                if not all(isinstance(error, ServerError) and error.status == 409 for error in failed):
+                if not all(isinstance(error, ServerError) and error.status == 409 for error in failed) \
+                        or not isinstance(tensors, list):  # a stream (ZeRO-3's gathers) cannot be read twice
                     raise failed[0]
                 # Another client's group replaced ours on a server, and nothing was loaded there: share anew.
-                group, in_place = self._join(tensors[0].device, nbytes), False
+                group, in_place = self._join(device, nbytes), False
             else:
                 updates = loads
         if updates is None:

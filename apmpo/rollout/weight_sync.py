@@ -27,6 +27,7 @@ import datetime
 import difflib
 import glob
 import io
+import itertools
 import logging
 import os
 import pickle
@@ -460,11 +461,23 @@ def wait_done(group: WeightGroup, work: dist.Work, device: torch.device, poll_s:
 # --- learner side ------------------------------------------------------------------------------------------
 
 
-def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.Tensor]) -> None:
+@dataclass(frozen=True)
+class StreamedTensors:
+    """Tensors to push that exist only as they are sent: a ZeRO-3 learner gathers a module's at a time
+    (apmpo.learner.zero3). Their names, dtypes and whole shapes up front; the tensors, in that order, read once
+    and lazily, a bucket's at a time; the device they come on. Their finiteness is the caller's to check."""
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    tensors: Iterable[torch.Tensor]
+    device: torch.device
+
+
+def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: Iterable[torch.Tensor]) -> None:
     """Broadcasts the planned buckets, packing the next one while the previous one is on the wire."""
     if not buckets:
         return
-    device = tensors[0].device
+    tensors = iter(tensors)
+    first = next(tensors)
+    device, tensors = first.device, itertools.chain([first], tensors)
     if group.transport == "cuda_ipc":
         # The engine shares this GPU, and its reload allocates a copy of each bucket and of each layer, while our
         # caching allocator still holds the training step's freed blocks: give them back first.
@@ -480,10 +493,8 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.
                  for _ in range(1 if group.transport == "cuda_ipc" else 2)]
         buffers = [slots[k % len(slots)] for k in range(len(buckets))]
     pending: dist.Work | None = None
-    start = 0
     for k, bucket in enumerate(buckets):
-        packed = pack(tensors[start : start + len(bucket.tensors)], bucket, buffers[k])
-        start += len(bucket.tensors)
+        packed = pack([next(tensors) for _ in bucket.tensors], bucket, buffers[k])
         if group.transport == "cuda_ipc":
             _send_ipc_handle(group, packed)  # synchronous: the worker has copied the bucket when it returns
             continue
@@ -500,12 +511,11 @@ def holds_in_place(group: WeightGroup, buckets: list[Bucket]) -> bool:
     return group.maps(group.segment_path, sum(b.nbytes for b in buckets))
 
 
-def pack_in_place(group: WeightGroup, buckets: list[Bucket], tensors: list[torch.Tensor]) -> None:
+def pack_in_place(group: WeightGroup, buckets: list[Bucket], tensors: Iterable[torch.Tensor]) -> None:
     """shm, when `holds_in_place`: packs every bucket into its place in the shared segment."""
-    start = 0
+    tensors = iter(tensors)
     for bucket, offset in zip(buckets, bucket_offsets(buckets)):
-        pack(tensors[start : start + len(bucket.tensors)], bucket, group.segment[offset:])
-        start += len(bucket.tensors)
+        pack([next(tensors) for _ in bucket.tensors], bucket, group.segment[offset:])
 
 
 def _send_ipc_handle(group: WeightGroup, packed: torch.Tensor) -> None:
