@@ -100,31 +100,47 @@ def test_two_nodes_train_through_deepspeeds_launcher(reference):
     assert all(r["time/weight_sync"] > 0 for r in metrics(run_dir))  # rank 0 pushed every step
 
 
-def test_a_lost_node_stops_the_run_which_then_resumes_as_if_uninterrupted(nodes, reference, tmp_path):
-    run_dir = tmp_path / "runs/quickstart"
-    launch = Launch(nodes, tmp_path)
+def lose_node_b(nodes: netns.TwoNodes, launch: Launch, run_dir: Path, how) -> tuple[int, float, list[int]]:
+    """Once step 2's checkpoint is complete (step 3 then starts at once), `how(nodes)` takes node B away: node A's
+    launcher's exit code, how long after the loss it ended, and the processes left in A's namespace after it."""
     try:
         deadline = time.monotonic() + 600
-        while not (run_dir / "checkpoints/step_2").is_dir():  # renamed once complete; step 3 starts at once
+        while not (run_dir / "checkpoints/step_2").is_dir():  # renamed once complete
             assert time.monotonic() < deadline and all(p.poll() is None for p in launch.processes), launch.output(0)
             time.sleep(0.1)
-        rank_b = [pid for pid in nodes.pids(1) if b"--local_rank" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(rank_b) == 1
-        os.kill(rank_b[0], 9)
-        killed = time.monotonic()
+        how(nodes)
+        lost = time.monotonic()
         code_a = launch.processes[0].wait(timeout=LOST_NODE_BOUND_S + 60)
-        stopped_after = time.monotonic() - killed
-        launch.processes[1].wait(timeout=60)  # B's launcher ends with its rank
+        stopped_after = time.monotonic() - lost
+        launch.processes[1].wait(timeout=LOST_NODE_BOUND_S + 60)  # B's launcher ends too
         time.sleep(1)
-        left = nodes.pids(0)
+        return code_a, stopped_after, nodes.pids(0)
     finally:
         nodes.kill_all(0), nodes.kill_all(1)
+
+
+def kill_rank_b(nodes: netns.TwoNodes) -> None:
+    rank_b = [pid for pid in nodes.pids(1) if b"--local_rank" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(rank_b) == 1
+    os.kill(rank_b[0], 9)
+
+
+def check_node_a_stopped(launch: Launch, code_a: int, stopped_after: float, left: list[int]) -> None:
     output = launch.output(0)
-    print(f"node A stopped {stopped_after:.1f} s after node B's rank was killed")
     assert code_a != 0 and stopped_after < LOST_NODE_BOUND_S, (stopped_after, output[-4000:])
     assert f"learner rank 1 (host {netns.ADDRESSES[1]}) stopped answering" in output, output[-4000:]
     assert left == [], "processes outlived node A's run: " + ", ".join(
         Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120] for pid in left)
+
+
+def test_a_lost_node_stops_the_run_which_then_resumes_as_if_uninterrupted(nodes, reference, tmp_path):
+    """kill -9 of B's rank: the kernel closes its sockets, gloo fails at A's next collective with B, and A waits for
+    the heartbeat to name the lost rank before it stops."""
+    run_dir = tmp_path / "runs/quickstart"
+    launch = Launch(nodes, tmp_path)
+    code_a, stopped_after, left = lose_node_b(nodes, launch, run_dir, kill_rank_b)
+    print(f"node A stopped {stopped_after:.1f} s after node B's rank was killed")
+    check_node_a_stopped(launch, code_a, stopped_after, left)
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
 
     resumed = Launch(nodes, tmp_path, resume=True)
@@ -139,6 +155,24 @@ def test_a_lost_node_stops_the_run_which_then_resumes_as_if_uninterrupted(nodes,
     for a, b in zip(want, got):  # as tests/test_train_cli.py compares a resumed run with an uninterrupted one
         assert b["reward/mean"] == pytest.approx(a["reward/mean"], abs=1e-6), b["step"]
         assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-3, abs=1e-6), b["step"]
+
+
+def test_a_node_that_drops_off_the_network_is_noticed_by_the_heartbeat(nodes, tmp_path):
+    """B's link goes down mid-step 3: no connection is closed, so gloo would wait train.dist_timeout_s (2 h); the
+    heartbeat alone stops A (its main thread held in a collective, in C++, exits after the grace), and B, which no
+    longer reaches rank 0's store, stops as well."""
+    def link(state: str) -> None:
+        subprocess.run(nodes.run_in(1) + ["ip", "link", "set", netns.INTERFACE, state], check=True)
+
+    launch = Launch(nodes, tmp_path)
+    try:
+        code_a, stopped_after, left = lose_node_b(nodes, launch, tmp_path / "runs/quickstart", lambda _: link("down"))
+    finally:
+        link("up")
+    print(f"node A stopped {stopped_after:.1f} s after node B's link went down")
+    check_node_a_stopped(launch, code_a, stopped_after, left)
+    assert f"learner rank 0 (host {netns.ADDRESSES[0]}) stopped answering" in launch.output(1), \
+        launch.output(1)[-4000:]
 
 
 def test_a_run_directory_that_one_node_cannot_see_is_refused_at_start(nodes, tmp_path):

@@ -94,17 +94,21 @@ class Nodes:
         self._exiting.set()
         if error is not None and _collective_failed(error):
             deadline = time.monotonic() + self.timeout_s + 2 * self.period_s
-            while self.lost is None and time.monotonic() < deadline and self._thread.is_alive():
+            while self.lost is None and time.monotonic() < deadline:
                 time.sleep(0.2)
         self._stop.set()
         if self.lost is not None:  # the thread exits the process after GRACE_S if the teardown has not by then
             raise RuntimeError(self.lost) from error
-        self._thread.join()
+        self._thread.join(timeout=2 * self.period_s)  # a store call blocked towards a lost host is left behind
         if error is None:
             self.store.set(_key(self.rank), DONE)
 
     def _beat(self, watched: list[int]) -> None:
+        """Beats, and reads the watched ranks' beats, on a thread of its own: a store call towards a host that
+        dropped off the network can block far longer than the store's deadline (TCP retransmits), so the silence is
+        judged on another thread (_judge), never by a store call returning."""
         values, changed = {}, {r: time.monotonic() for r in watched}
+        threading.Thread(target=self._judge, args=(values, changed), name="heartbeat-judge", daemon=True).start()
         while not self._stop.wait(self.period_s):
             try:
                 self.store.add(_key(self.rank), 1)
@@ -114,7 +118,10 @@ class Nodes:
                         values[r], changed[r] = value, time.monotonic()
             except Exception:  # noqa: BLE001 (rank 0's store unreachable: its beat is not seen, and ages)
                 pass
-            silent = [r for r in watched if values.get(r) != DONE and time.monotonic() - changed[r] > self.timeout_s]
+
+    def _judge(self, values: dict, changed: dict) -> None:
+        while not self._stop.wait(self.period_s):
+            silent = [r for r in changed if values.get(r) != DONE and time.monotonic() - changed[r] > self.timeout_s]
             if silent:
                 r = silent[0]
                 self.lost = (f"learner rank {r} (host {self.hosts[r]}) stopped answering "
