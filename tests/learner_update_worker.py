@@ -6,13 +6,12 @@
 SCENARIOS.json is a list of {"out": dir, "set": [overrides], "recompute_old": bool, "nan_advantage": bool,
 "no_rollouts": bool}; each scenario builds a fresh model and DeepSpeed engine in this one process (a process and
 its DeepSpeed import per scenario cost most of these tests' time), and writes out/rank<r>.pt with the parameters
-after the optimiser steps, the gradient norm of each step, the step's metrics and the rollouts this rank trained
-on. tests/test_learner.py compares scenarios that split the same batch differently.
+after the optimiser steps (gathered whole under ZeRO-3), what rank 0's weight push reads of them, the parameter
+bytes this rank holds, the gradient norm of each step, the step's metrics and the rollouts this rank trained on. tests/test_learner.py compares scenarios that split the same batch differently.
 """
 import argparse
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool
                              "train.mini_batch_size=4", "optim.lr=1e-2", "optim.adam_eps=1e-3",
                              "optim.max_grad_norm=1.0", *set])
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, tie_word_embeddings=os.environ.get("UNTIED") is None, seed=0).train()
+    model = build_model(tokenizer, tie_word_embeddings=True, seed=0).train()
     engine = build_engine(model, cfg, dist)
     reference = build_model(tokenizer, seed=1).requires_grad_(False) if cfg.loss.kl_beta > 0 else None
 

@@ -35,6 +35,7 @@ import torch
 from apmpo.rollout.client import (GenerationClient, PushReport, Sample, ServerError, ServerUnavailable,
                                   WeightSender)
 from apmpo.rollout.net import in_thread
+from apmpo.rollout.weight_sync import StreamedTensors
 from apmpo.rollout.sampling import Sampling
 
 # What every server of a pool must agree on: prompts are encoded once, for one model.
@@ -74,12 +75,13 @@ class ServerPool:
                 raise _naming(futures[future].url, future.exception())
         return [row for future in futures for row in future.result()]
 
-    def join_weight_group(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def join_weight_group(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | StreamedTensors) -> None:
         """As GenerationClient.join_weight_group, for every server: before generating."""
-        named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if self.sender is not None:
-            self.sender.join_for(named)
+            self.sender.join_for(named_tensors)
             return
+        # A stream's layout is all a join reads (WeightSender._plan), so every server's thread can share it.
+        named = named_tensors if isinstance(named_tensors, StreamedTensors) else _materialized(named_tensors)
         futures = [in_thread(client.join_weight_group, named) for client in self.clients]
         self._raise_failures([future.exception() for future in futures])
 
@@ -93,9 +95,11 @@ class ServerPool:
         on all."""
         return self._push(named_tensors, adapter=config)
 
-    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, Any] | None) -> int:
-        named = [(name, tensor.detach()) for name, tensor in named_tensors]  # read by every thread
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | StreamedTensors,
+              adapter: dict[str, Any] | None) -> int:
         start = time.perf_counter()
+        # Read by every server's thread, unless one group sends each bucket once for all (a stream is read once).
+        named = named_tensors if self.sender is not None else _materialized(named_tensors)
         if self.sender is None:
             return self._to_all(lambda client: client.push_weights(named) if adapter is None
                                 else client.push_adapter(named, adapter), start)
@@ -154,3 +158,12 @@ def _naming(url: str, error: BaseException) -> BaseException:
     wrapped = ServerError(f"generation server {url}: {type(error).__name__}: {error}")
     wrapped.__cause__ = error
     return wrapped
+
+
+def _materialized(named_tensors: Iterable[tuple[str, torch.Tensor]] | StreamedTensors
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """The tensors as a list, to be read by several pushes. A ZeRO-3 stream is read whole here, into host memory:
+    only where the servers cannot share one weight group (other networks or settings)."""
+    if isinstance(named_tensors, StreamedTensors):
+        return [(name, tensor.cpu()) for (name, _, _), tensor in zip(named_tensors.specs, named_tensors.tensors)]
+    return [(name, tensor.detach()) for name, tensor in named_tensors]
