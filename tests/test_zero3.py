@@ -1,0 +1,76 @@
+"""ZeRO-3 end to end: the quickstart through the `deepspeed` launcher with 2 learner ranks (gloo), each holding half
+of every weight. Every reader of whole weights is on the path: the push after each step (streamed, a module's
+parameters gathered at a time, the other rank joining rank 0's gathers), the checkpoints' hf/ export, save_best
+after each validation, and the KL reference (partitioned as the policy is). The step itself against ZeRO-2's, and
+the memory per rank: tests/test_learner.py."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from apmpo.rollout.net import free_port
+from test_validation import CLI as EVAL_CLI  # the quickstart's validation settings, as the eval CLI takes them
+from train_runs import ROOT, metrics, run, train_command
+
+ZERO3_RUN = ("train.zero_stage=3", "loss.kl_beta=0.01", "train.steps=4", "checkpoint.save_every=2",
+             "checkpoint.keep_last=3", "eval.every=2", "eval.limit=40", "checkpoint.keep_best=val/quickstart_val/pass@1")
+
+
+def zero3_command(out_dir, *extra: str) -> list[str]:
+    command = train_command("configs/quickstart.yaml", *ZERO3_RUN, f"logging.output_dir={out_dir}")
+    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), *command[1:], *extra]
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero3")
+    done = run(zero3_command(out), timeout=900)
+    return done, out / "quickstart"
+
+
+@pytest.mark.slow
+def test_zero3_trains_checkpoints_and_exports_on_two_ranks(zero3_run, tmp_path):
+    done, run_dir = zero3_run
+    assert "2 learner rank(s)" in done.stdout
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["train/skipped_steps"] == 0 and r["loss/kl"] > 0 for r in rows)  # the reference was used
+    # Each rank saved its own slice of the weights and of the optimiser state.
+    states = sorted(p.name for p in (run_dir / "checkpoints/step_4/deepspeed").glob("*_states.pt"))
+    assert sum("optim_states" in name for name in states) == 2 and sum("model_states" in name for name in states) == 2
+    # hf/ holds whole weights: a fresh server on it (as `python -m apmpo.eval` starts one) scores the step-4
+    # validation's prompts as the run's server did after step 4's push, to the last digit.
+    export = run_dir / "checkpoints" / "step_4" / "hf"
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert all(p.numel() > 0 and torch.isfinite(p).all() for p in model.parameters())
+    cli = tmp_path / "cli"
+    evaluated = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model", str(export), *EVAL_CLI, "--seeds", "0",
+                                "--out", str(cli)],
+                               capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ})
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads((cli / "results.json").read_text())["benchmarks"]["quickstart_val"]
+    assert rows[3]["val/quickstart_val/pass@1"] == result["pass@1"]["mean"]
+    best = json.loads((run_dir / "checkpoints" / "best" / "best.json").read_text())
+    assert best["value"] == max(rows[1]["val/quickstart_val/pass@1"], rows[3]["val/quickstart_val/pass@1"])
+    assert (run_dir / "checkpoints" / "best" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_zero3_resumes_on_both_ranks_to_the_same_next_steps(zero3_run, tmp_path):
+    _, run_dir = zero3_run
+    shutil.copytree(run_dir, tmp_path / "quickstart")
+    shutil.rmtree(tmp_path / "quickstart" / "checkpoints" / "step_4")
+    done = run(zero3_command(tmp_path, "--resume"), timeout=900)
+    assert "resuming at step 2" in done.stdout
+    reference, resumed = metrics(run_dir), metrics(tmp_path / "quickstart")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for want, got in zip(reference[2:], resumed[2:]):
+        assert got["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6), got["step"]
+        assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-3, abs=1e-6), got["step"]
+    assert resumed[3]["val/quickstart_val/pass@1"] == reference[3]["val/quickstart_val/pass@1"]
