@@ -25,6 +25,8 @@ Covered (nothing here needs vLLM, which the GPU box we borrow cannot carry):
   device-to-device copy of the same bytes. Then a LoRA adapter of that model (rank 16 on every linear layer of
   every block), received by the engine worker's own `apmpo_receive_adapter` into the file vLLM loads, which is
   read back and compared bit for bit. (--dry-run: shm, or gloo where /dev/shm is small.)
+- learner_zero3: learner_gc under ZeRO-3 (train.zero_stage 3): on one GPU the weights are whole in one partition,
+  so beside learner_gc it is the gathers' and hooks' cost and the memory they add, not ZeRO-3's saving.
 - learner_fp32_comm: learner_gc with train.communication_data_type fp32 (ZeRO's reduce-scatter in fp32); on one
   GPU the figure is the casts' cost only, a multi-GPU run also sends twice the bytes.
 - zero2_grads: ZeRO-2 gradients on one rank (DeepSpeed's fp32 partition, read with safe_get_full_grad) equal a
@@ -247,14 +249,18 @@ def _installed(distribution: str) -> bool:
         return False
 
 
-def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_type: str | None = None) -> Outcome:
+def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_type: str | None = None,
+                  zero_stage: int = 2) -> Outcome:
     """Steps 6-7 of a training step (launch/train.py's `train_on_batch`) on a random Qwen2.5-1.5B-shaped model.
     `communication_data_type` (train.communication_data_type): fp32 reduce-scatters the gradients in fp32. On one
-    rank nothing crosses a wire: its figure is the cost of the casts, and a multi-GPU run adds twice the bytes."""
+    rank nothing crosses a wire: its figure is the cost of the casts, and a multi-GPU run adds twice the bytes.
+    `zero_stage` 3: the weights are partitioned (on one rank, whole) and gathered a module at a time; the figure is
+    the gathers' and hooks' cost on the same shape."""
     _require_deepspeed()
     from apmpo.config import Config, ModelConfig, RolloutConfig, TrainConfig
     from apmpo.learner.batching import Rollout
-    from apmpo.learner.engine import build_engine, init_distributed, load_model
+    from apmpo.learner.zero3 import full_shape
+    from apmpo.learner.engine import build_engine, init_distributed, load_model, partition_reference
     from apmpo.loss import adaptive_params, group_advantages
 
     train_on_batch = _train_module().train_on_batch
@@ -267,7 +273,7 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
     cfg = Config(model=ModelConfig(path=model_dir, dtype=dtype, gradient_checkpointing=gradient_checkpointing),
                  rollout=RolloutConfig(prompts_per_step=s.prompts, group_size=s.group_size),
                  train=TrainConfig(mini_batch_size=s.prompts, micro_batch_tokens=micro_batch_tokens,
-                                   communication_data_type=communication_data_type))
+                                   communication_data_type=communication_data_type, zero_stage=zero_stage))
     g = torch.Generator().manual_seed(0)
     rewards = (torch.rand(s.prompts, s.group_size, generator=g) > 0.5).float()
     advantages = group_advantages(rewards).flatten().tolist()
@@ -281,7 +287,8 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
     memory = PeakMemory(s.device)
     memory.reset()
     engine = build_engine(load_model(model_dir, cfg, dist.device), cfg, dist)
-    reference = load_model(model_dir, cfg, dist.device, trainable=False) if cfg.loss.kl_beta > 0 else None
+    reference = partition_reference(load_model(model_dir, cfg, dist.device, trainable=False), cfg) \
+        if cfg.loss.kl_beta > 0 else None
     models = 1 + (reference is not None)  # that the old (and reference) log-probs run the rows through
     try:
         logprob_s, update_s, metrics = [], [], {}
@@ -298,7 +305,7 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
                 logprob_s.append(metrics["time/logprob"])
                 update_s.append(time.perf_counter() - start - metrics["time/logprob"])
         peak = memory.peak()
-        num_params = sum(p.numel() for p in engine.module.parameters())
+        num_params = sum(math.prod(full_shape(p)) for p in engine.module.parameters())
         checkpointing = engine.module.is_gradient_checkpointing  # what load_model made of the setting
         engine_comm_dtype = engine.communication_data_type  # what DeepSpeed made of train.communication_data_type
     finally:
@@ -326,7 +333,7 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
         "grad_norm": metrics["optim/grad_norm"], "reference_model": models == 2,
         "gradient_checkpointing": checkpointing, "peak_tflops": peak_flops_per_s / 1e12,
         "micro_batch_tokens": micro_batch_tokens,
-        "communication_data_type": str(engine_comm_dtype).removeprefix("torch."),
+        "communication_data_type": str(engine_comm_dtype).removeprefix("torch."), "zero_stage": zero_stage,
     }
     return Outcome(figures, f"{tokens / update:,.0f} tokens/s in the update, MFU {figures['mfu']:.1%} "
                             f"({figures['mfu_with_attention']:.1%} with attention), peak memory {peak / GiB:.1f} GiB, "
@@ -674,6 +681,7 @@ CHECKS: dict[str, Callable[[Shapes], Outcome]] = {
     "learner_gc": lambda s: check_learner(s, gradient_checkpointing=True),
     "learner_no_gc": lambda s: check_learner(s, gradient_checkpointing=False),
     "learner_fp32_comm": lambda s: check_learner(s, gradient_checkpointing=True, communication_data_type="fp32"),
+    "learner_zero3": lambda s: check_learner(s, gradient_checkpointing=True, zero_stage=3),
     "zero2_grads": check_zero2_grads,
     "no_vllm": check_no_vllm,  # last: it looks at what the others imported
 }

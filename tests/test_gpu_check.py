@@ -27,6 +27,7 @@ FIGURES = {  # per check, the figures the issue asks for: each must be a positiv
     "loss": ["grpo_ms", "apmpo_ms", "apmpo_over_grpo", "compiled_apmpo_over_grpo"],
     "logprobs": ["chunked_extra_gib", "naive_extra_gib", "chunked_over_naive"],
     "learner_fp32_comm": ["tokens_per_s", "mfu", "peak_memory_gib"],
+    "learner_zero3": ["tokens_per_s", "mfu", "peak_memory_gib"],
     "transport": ["bytes_per_s", "raw_copy_bytes_per_s", "ratio_to_raw_copy"],
     "zero2_grads": ["tensors"],
 }
@@ -71,6 +72,7 @@ def test_dry_run_passes_every_check_and_writes_the_figures_without_vllm(tmp_path
     assert report["checks"]["learner_no_gc"]["figures"]["gradient_checkpointing"] is False
     assert report["checks"]["learner_gc"]["figures"]["communication_data_type"] == "float32"  # a dry run is fp32
     assert report["checks"]["learner_fp32_comm"]["figures"]["communication_data_type"] == "float32"
+    assert report["checks"]["learner_zero3"]["figures"]["zero_stage"] == 3
     assert report["checks"]["zero2_grads"]["figures"]["max_relative_diff"] <= 1e-4
     assert report["checks"]["logprobs"]["figures"]["vocab"] == 151_936
     assert report["checks"]["transport"]["figures"]["transport"] in ("shm", "gloo")  # cuda_ipc's CPU stand-ins

@@ -154,14 +154,16 @@ def test_asynchronous_run_resumes_after_kill_regenerating_the_batch_in_flight(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_staleness, servers", [(0, 2), (1, 1)])
-def test_quickstart_learns(tmp_path, max_staleness, servers):
+@pytest.mark.parametrize("max_staleness, servers, zero_stage", [(0, 2, 2), (1, 1, 3)])
+def test_quickstart_learns(tmp_path, max_staleness, servers, zero_stage):
     """The README's main job: reward/mean rises from near chance (~0.15) to at least 0.8 (10-step mean); so it
     does when each batch is generated while the previous one trains (max_staleness 1), through one server as
-    through the config's two, each of which takes every step's weights (one engine reload per push)."""
+    through the config's two, each of which takes every step's weights (one engine reload per push), and under
+    ZeRO-3 (its weights gathered by module for every forward and push; two ranks: tests/test_zero3.py)."""
     start = time.time()
     run(train_command("configs/quickstart.yaml", f"logging.output_dir={tmp_path}", "checkpoint.save_every=0",
-                      f"train.max_staleness={max_staleness}", f"rollout.num_servers={servers}"), timeout=900)
+                      f"train.max_staleness={max_staleness}", f"rollout.num_servers={servers}",
+                      f"train.zero_stage={zero_stage}"), timeout=900)
     records = metrics(tmp_path / "quickstart")
     rewards = [r["reward/mean"] for r in records]
     assert len(rewards) == 100
