@@ -165,6 +165,19 @@ def test_bad_values_fail_at_load_naming_the_key(override, message):
         load_config(None, [override])
 
 
+def test_zero_settings_that_cannot_work_are_refused_at_load():
+    with pytest.raises(ConfigError, match=r"train.zero_stage must lie in \[0, 3\], got 4"):
+        load_config(None, ["train.zero_stage=4"])
+    with pytest.raises(ConfigError, match=r"train.offload_optimizer: cpu needs train.zero_stage >= 1"):
+        load_config(None, ["train.zero_stage=0", "train.offload_optimizer=cpu"])
+    with pytest.raises(ConfigError, match=r"train.offload_optimizer must be one of"):
+        load_config(None, ["train.offload_optimizer=nvme"])
+    with pytest.raises(ConfigError, match=r"train.zero_stage: 3 with model.lora is not supported"):
+        load_config(str(Path(__file__).parent.parent / "configs" / "quickstart_lora.yaml"), ["train.zero_stage=3"])
+    cfg = load_config(None, ["train.zero_stage=3", "train.offload_optimizer=cpu"])
+    assert (cfg.train.zero_stage, cfg.train.offload_optimizer) == (3, "cpu")
+
+
 def test_values_at_the_edges_are_accepted(tmp_path):
     (tmp_path / "train.jsonl").write_text("")
     cfg = load_config(None, ["rollout.max_tokens=3072", "rollout.temperature=0.01", "rollout.top_p=1", "rollout.top_k=5",
