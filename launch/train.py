@@ -74,7 +74,7 @@ def main(cfg: Config, resume: str) -> None:
         vision = load_vision(model_path, tokenizer)  # None for text models
         trainer_state = resume_checkpoint(engine, cfg.run_dir, resume, dist.rank)  # rank 0 picks it, all load it
         start_step = trainer_state.get("step", 0)
-        weights = WholeWeights(engine.module, engine, dist.rank, dist.world_size)  # whole weights for the push and save_best
+        weights = WholeWeights(engine.module, engine, dist.rank, dist.world_size)  # for the push and save_best
         if dist.is_main:
             print(f"[apmpo] run {cfg.run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)

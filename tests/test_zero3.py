@@ -19,12 +19,14 @@ from test_validation import CLI as EVAL_CLI  # the quickstart's validation setti
 from train_runs import ROOT, metrics, run, train_command
 
 ZERO3_RUN = ("train.zero_stage=3", "loss.kl_beta=0.01", "train.steps=4", "checkpoint.save_every=2",
-             "checkpoint.keep_last=3", "eval.every=2", "eval.limit=40", "checkpoint.keep_best=val/quickstart_val/pass@1")
+             "checkpoint.keep_last=3", "eval.every=2", "eval.limit=40",
+             "checkpoint.keep_best=val/quickstart_val/pass@1")
 
 
 def zero3_command(out_dir, *extra: str) -> list[str]:
     command = train_command("configs/quickstart.yaml", *ZERO3_RUN, f"logging.output_dir={out_dir}")
-    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), *command[1:], *extra]
+    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+            *command[1:], *extra]
 
 
 @pytest.fixture(scope="module")
