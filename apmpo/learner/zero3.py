@@ -54,11 +54,9 @@ def gathered_parameters(model: nn.Module, keep: bool = True) -> Iterator[tuple[s
 
 
 def consolidated_state_dict(engine) -> dict[str, Tensor] | None:
-    """The module's state dict, whole, on CPU, on rank 0 (None elsewhere). Collective under ZeRO-3 (DeepSpeed's
-    own consolidation, a layer at a time, tied weights kept shared); under ZeRO-2 rank 0's state_dict."""
-    if partitioned(engine.module):
-        return engine._zero3_consolidated_16bit_state_dict()  # in the module's dtype, despite its name
-    return engine.module.state_dict() if torch_dist.get_rank() == 0 else None
+    """A ZeRO-3 module's state dict, whole, in host memory, on rank 0 (None elsewhere). Collective: DeepSpeed's own
+    consolidation, a layer at a time, tied weights kept shared, in the module's dtype (despite its name)."""
+    return engine._zero3_consolidated_16bit_state_dict()
 
 
 def check_finite(model: nn.Module) -> None:
