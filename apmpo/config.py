@@ -193,6 +193,9 @@ class RolloutConfig:
     # No torch.compile (nor CUDA graphs on GPU) in the servers it starts: a faster start, slower generation. On CPU
     # the compiled quickstart model generated 1.27-1.36x faster, for 6-25 s more start-up (vllm_compat).
     enforce_eager: bool = False
+    # The engines' dtype; "auto": the learner's (model.dtype). Another one isolates what each side's precision does
+    # to learning (docs/precision.md): a bf16 engine sampling for an fp32 learner is a GPU run's usual mismatch.
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     weight_sync: Literal["auto", Transport] = "auto"  # auto: apmpo.rollout.weight_sync.select_transport
     bucket_mb: int = ranged(256, "[1, 2**16]")  # weight-sync bucket size
     # How long either side of a weight sync waits for the other: the workers' join of the group (made before any
@@ -355,6 +358,12 @@ class Config:
     def overlap(self) -> bool:
         """Generation overlaps the learner's update (train.max_staleness >= 1): the asynchronous loop."""
         return self.train.max_staleness > 0
+
+    @property
+    def engine_dtype(self) -> str:
+        """The generation servers' --dtype: rollout.dtype, or the learner's."""
+        dtype = self.model.dtype if self.rollout.dtype == "auto" else self.rollout.dtype
+        return {"bf16": "bfloat16", "fp32": "float32"}[dtype]
 
     @property
     def total_optimizer_steps(self) -> int:

@@ -165,6 +165,13 @@ def test_bad_values_fail_at_load_naming_the_key(override, message):
         load_config(None, [override])
 
 
+def test_the_engines_dtype_follows_the_learners_unless_set():
+    assert load_config(None, ["model.dtype=fp32"]).engine_dtype == "float32"
+    assert load_config(None, ["model.dtype=bf16"]).engine_dtype == "bfloat16"
+    assert load_config(None, ["model.dtype=fp32", "rollout.dtype=bf16"]).engine_dtype == "bfloat16"
+    assert load_config(None, ["model.dtype=bf16", "rollout.dtype=fp32"]).engine_dtype == "float32"
+
+
 def test_zero_settings_that_cannot_work_are_refused_at_load():
     with pytest.raises(ConfigError, match=r"train.zero_stage must lie in \[0, 3\], got 4"):
         load_config(None, ["train.zero_stage=4"])

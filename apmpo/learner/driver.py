@@ -68,7 +68,7 @@ class Driver(contextlib.ExitStack):
             tensor_parallel_size=r.tensor_parallel_size,
             max_model_len=r.max_model_len,
             extra_args=(("--enforce-eager",) if r.enforce_eager else ()) + lora.server_args(cfg),
-            dtype="bfloat16" if cfg.model.dtype == "bf16" else "float32", seed=cfg.train.seed,
+            dtype=cfg.engine_dtype, seed=cfg.train.seed,
             wait=shares_gpu, overlap=cfg.overlap))
         self.policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights
 
