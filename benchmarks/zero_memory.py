@@ -7,7 +7,7 @@ on 2 CPU ranks (gloo) after one optimiser step, against the formulas of docs/tra
 Per rank: the parameter bytes it holds (ZeRO-3: its slice), the optimiser's (fp32 master weights and Adam's two
 moments, partitioned by every stage), and the process's peak RSS. The formulas, with N ranks, P parameters and
 w bytes a weight (4 in fp32, 2 in bf16): weights w*P under ZeRO-2 and w*P/N under ZeRO-3; optimiser 12*P/N, fp32
-master weights and two moments (except ZeRO-3 in fp32, whose master weights are its fp32 slices: 8*P/N).
+master weights and Adam's two moments (a copy of its own even where the weights are fp32).
 "offload" moves the optimiser's to host memory: on a CPU learner that is the same memory. Peak RSS says little on
 CPU: every rank loads the whole model before DeepSpeed partitions it, as on GPU (docs/training.md, "Memory").
 """
@@ -50,9 +50,10 @@ def worker(model_path: str, dtype: str, sets: list[str], out: str) -> None:
     engine.step()
     params = list(engine.module.parameters())
     held = sum((p.ds_tensor if is_partitioned(p) else p).numel() * p.element_size() for p in params)
-    base = engine.optimizer.optimizer  # torch's AdamW inside ZeRO: its params are the fp32 master partitions
-    master = sum(p.numel() * p.element_size() for group in base.param_groups for p in group["params"])
-    moments = sum(t.numel() * t.element_size() for state in base.state.values() for t in state.values()
+    zero = engine.optimizer  # its fp32 master partitions; torch's AdamW inside it holds the moments
+    partitions = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+    master = sum(p.numel() * p.element_size() for p in partitions)
+    moments = sum(t.numel() * t.element_size() for state in zero.optimizer.state.values() for t in state.values()
                   if torch.is_tensor(t) and t.dim() > 0)
     numel = sum(p.ds_numel if is_partitioned(p) else p.numel() for p in params)
     record = {"rank": dist.rank, "world": dist.world_size, "numel": numel, "weight_bytes": params[0].element_size(),
@@ -66,7 +67,7 @@ def expected(record: dict, run: str) -> tuple[float, float]:
     """(weights, optimiser) bytes a rank holds by the formulas."""
     p, n, w = record["numel"], record["world"], record["weight_bytes"]
     weights = w * p / n if run.startswith("zero3") else w * p
-    return weights, (8 if run.startswith("zero3") and w == 4 else 12) * p / n
+    return weights, 12 * p / n
 
 
 def main() -> None:
