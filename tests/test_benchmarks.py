@@ -29,7 +29,7 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
                        r"chunked / naive: peak \d+\.\d+, extra \d+\.\d+"),
     "reward_throughput": ([], rf"gold-vs-wrong .* {TIMES}"),
     "bf16_updates": (["--model", TINY, "--problems", "2", "--steps", "1,4"],
-                     rf"\n +4 \| .* \( *-?\d+\.\d+x\) \| .* \( *-?\d+\.\d+x\) \| \d+\.\d%"),
+                     r"\n +4 \| .* \( *-?\d+\.\d+x\) \| .* \( *-?\d+\.\d+x\) \| \d+\.\d%"),
     "generation": (SMALL_SERVE, rf"ratio server/in-process: {PERCENT}"),
     "weight_sync": (["--layers", "1", "--vocab", "512", "--repeats", "1"], rf"ratio push/raw: {PERCENT}"),
     "step_time": (["--tiny"], rf"ratio apmpo/baseline speed: {TIMES}"),
