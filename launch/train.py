@@ -9,7 +9,7 @@ train.max_staleness >= 1 the next batches are generated meanwhile, in a backgrou
 the batch and computes the same plan: optimiser mini-batches, its token-balanced shard and token-budget
 micro-batches. Reference log-probs, and the old ones when there is more than one optimiser step per batch, are
 computed first in fp32 (with one, the old log-probs are the update forward's own); then each mini-batch is one
-optimiser step of DeepSpeed ZeRO-2. Rank 0 pushes the new weights into the server(s), validates every
+optimiser step of DeepSpeed ZeRO-2 (or 3). Rank 0 pushes the new weights into the server(s), validates every
 eval.every steps, logs, and every `save_every` steps all ranks write an atomic checkpoint. APMPO departs from
 GRPO only in the loss (apmpo/loss.py): a power mean of the clipped ratios whose power and upper clip follow the
 batch's rewards.

@@ -197,7 +197,8 @@ def lr_lambda(cfg: Config):
 
 
 def build_engine(model, cfg: Config, dist: Dist):
-    """The DeepSpeed engine around the policy: ZeRO-2, AdamW (torch's, so nothing is JIT-compiled), clipping."""
+    """The DeepSpeed engine around the policy: ZeRO (train.zero_stage), AdamW (torch's, so nothing is
+    JIT-compiled), clipping."""
     import deepspeed
 
     if cfg.train.zero_stage == 3:
