@@ -4,8 +4,8 @@ Three things read the weights whole: the push into the generation servers, the c
 save_best's. Gathering is a collective, so every rank takes part, in the same order. The checkpoint is collective
 anyway; the push and save_best are rank 0's alone (it owns the servers and the validation), so rank 0 announces
 each read and the other ranks, waiting in `WholeWeights.settle`, join it. Gathers go one module's own parameters
-at a time (a decoder layer's are split between its attention and MLP modules): the push never holds more than
-a bucket and a module of whole tensors (the weights themselves are never whole on any rank all at once).
+at a time (a decoder layer's are split between its attention and MLP modules), so that the push never holds more
+whole tensors than a bucket and a module's.
 
 Under ZeRO-0/1/2 the weights are whole on every rank, and all of this reads them directly, with no collective.
 """
@@ -83,7 +83,8 @@ class WholeWeights:
     def __init__(self, model: nn.Module, engine=None, rank: int = 0, world_size: int = 1):
         """`model`: the policy (`engine.module`); `engine`: its DeepSpeed engine, needed under ZeRO-3."""
         self.model, self.engine, self.rank = model, engine, rank
-        self.collective = partitioned(model) and world_size > 1
+        self.partitioned = partitioned(model)
+        self.collective = self.partitioned and world_size > 1
 
     def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """Every parameter's name, dtype and whole shape, without a gather."""
@@ -91,30 +92,26 @@ class WholeWeights:
 
     def layout(self) -> list[tuple[str, Tensor]] | StreamedTensors:
         """What the push sends, for joining the weight group: the parameters, or their layout under ZeRO-3."""
-        if not partitioned(self.model):
+        if not self.partitioned:
             return list(self.model.named_parameters())
         return StreamedTensors(self.specs(), (), self.device)
 
     def for_push(self) -> list[tuple[str, Tensor]] | StreamedTensors:
         """(rank 0) What the push sends: the parameters themselves, or under ZeRO-3 a stream that gathers them a
         module at a time as the push packs them."""
-        if not partitioned(self.model):
+        if not self.partitioned:
             return list(self.model.named_parameters())
-        return StreamedTensors(self.specs(), (tensor for _, tensor in self.parameters()), self.device)
+        self._announce("parameters")
+        check_finite(self.model)
+        return StreamedTensors(self.specs(), (tensor for _, tensor in gathered_parameters(self.model)), self.device)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """(rank 0) named_parameters(), whole, checked finite first: a module's worth at a time under ZeRO-3."""
-        self._announce("parameters")
-        check_finite(self.model)
-        return gathered_parameters(self.model)
-
     def export_state(self) -> dict[str, Tensor] | None:
         """(rank 0) The state dict to export: gathered, on CPU, under ZeRO-3; None where the module's own is whole."""
-        if not partitioned(self.model):
+        if not self.partitioned:
             return None
         self._announce("state_dict")
         return consolidated_state_dict(self.engine)
