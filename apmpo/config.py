@@ -415,10 +415,6 @@ def _check_zero(cfg: Config) -> None:
     if t.offload_optimizer != "none" and t.zero_stage == 0:
         raise ConfigError("train.offload_optimizer: cpu needs train.zero_stage >= 1: ZeRO-Offload moves ZeRO's "
                           "partitioned optimiser state; stage 0 has none")
-    if t.zero_stage == 3 and cfg.model.lora is not None:
-        raise ConfigError("train.zero_stage: 3 with model.lora is not supported: the adapter's push and merged "
-                          "export read the base weights whole. A LoRA run's optimiser state is the adapter's alone, "
-                          "so ZeRO-2 (the default) already holds little beyond the frozen base model")
 
 
 def _check_sampling(sampling: Sampling, n: int, where: str) -> None:

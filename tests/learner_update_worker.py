@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from apmpo.config import load_config  # noqa: E402
+from apmpo.learner import lora  # noqa: E402
 from apmpo.learner.batching import Rollout, plan_step  # noqa: E402
 from apmpo.learner.engine import build_engine, close_distributed, init_distributed  # noqa: E402
 from apmpo.learner.logprobs import shares_prompts  # noqa: E402
@@ -74,6 +75,8 @@ def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool
                              "optim.max_grad_norm=1.0", *set])
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, tie_word_embeddings=True, seed=0).train()
+    if cfg.model.lora is not None:
+        lora.add_adapter(model, cfg.model.lora)
     engine = build_engine(model, cfg, dist)
     reference = build_model(tokenizer, seed=1).requires_grad_(False) if cfg.loss.kl_beta > 0 else None
 
@@ -91,7 +94,9 @@ def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool
                                    recompute_old=recompute_old)
     Path(out).mkdir(parents=True, exist_ok=True)
     weights = WholeWeights(engine.module, engine, dist.rank, dist.world_size)
-    if dist.is_main:
+    if dist.is_main and cfg.model.lora is not None:
+        pushed = {name: t.clone() for name, t in weights.adapter()}
+    elif dist.is_main:
         pushed = weights.for_push()  # the push's stream under ZeRO-3, gathered as it is read
         pushed = {name: t.clone() for (name, _, _), t in zip(pushed.specs, pushed.tensors)} \
             if isinstance(pushed, StreamedTensors) else {name: t.detach().clone() for name, t in pushed}

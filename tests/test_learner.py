@@ -63,6 +63,7 @@ def single_rank(tmp_path_factory) -> dict[str, dict]:
 
 
 TWO_RANKS = SPLIT + ["train.micro_batch_tokens=60"]
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-1"]  # B starts at 0: a large step to compare
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,9 @@ def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     offloaded: each scenario's results per rank."""
     return run_worker(tmp_path_factory.mktemp("two_ranks"), {
         "zero2": {"set": TWO_RANKS}, "zero3": {"set": TWO_RANKS + ["train.zero_stage=3"]},
-        "offload": {"set": TWO_RANKS + ["train.zero_stage=3", "train.offload_optimizer=cpu"]}}, ranks=2)
+        "offload": {"set": TWO_RANKS + ["train.zero_stage=3", "train.offload_optimizer=cpu"]},
+        "lora_zero2": {"set": TWO_RANKS + LORA}, "lora_zero3": {"set": TWO_RANKS + LORA + ["train.zero_stage=3"]}},
+        ranks=2)
 
 
 def assert_same_step(a, b):
@@ -118,6 +121,19 @@ def test_zero3_takes_zero2s_step_with_half_the_parameters_per_rank(two_ranks):
     full = sum(v.numel() * v.element_size() for v in zero2["params"].values())
     assert [r["param_bytes"] for r in two_ranks["zero2"]] == [full, full]
     assert [r["param_bytes"] for r in two_ranks["zero3"]] == [pytest.approx(full / 2, rel=0.01)] * 2
+
+
+@pytest.mark.slow
+def test_zero3_takes_zero2s_step_with_a_lora_adapter(two_ranks):
+    """With LoRA under ZeRO-3 (the frozen base partitioned too): the same step as ZeRO-2's, and the adapter the push
+    reads (all of it gathered at once) is the learner's, under PEFT's names."""
+    zero2, zero3 = two_ranks["lora_zero2"][0], two_ranks["lora_zero3"][0]
+    assert_same_step(zero2, zero3)
+    trained = {name for name in zero3["params"] if ".lora_" in name}
+    assert len(zero3["pushed"]) == len(trained) > 0 and all(n.startswith("base_model.model.") for n in zero3["pushed"])
+    for name, value in zero3["pushed"].items():
+        torch.testing.assert_close(value, zero2["pushed"][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(value.abs().max() > 0 for name, value in zero3["pushed"].items() if ".lora_B." in name)
 
 
 def assert_identical(a, b):

@@ -63,6 +63,12 @@ def test_a_merged_export_is_a_plain_model_equal_to_the_adapter_applied(tiny_unti
         with lora.adapter_disabled(model):
             assert (model(ids).logits - applied).abs().max() > 0.1  # the adapter matters
     torch.testing.assert_close(plain, applied, rtol=0, atol=1e-5)
+    # From a state dict (ZeRO-3's consolidated one), the merge is PEFT's to the bit, in fp32 as in bf16.
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        from_modules, from_state = lora.merged_state_dict(model), lora.merged_state_dict(model, model.state_dict())
+        assert from_modules.keys() == from_state.keys()
+        assert all(torch.equal(from_modules[k], from_state[k]) for k in from_modules)
 
 
 @pytest.mark.slow

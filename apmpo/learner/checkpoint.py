@@ -75,11 +75,12 @@ def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, token
     try:
         engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-        # ZeRO-3: every rank takes part in gathering the weights for hf/ (rank 0 gets them, on CPU)
-        whole = consolidated_state_dict(engine) if export_hf and partitioned(engine.module) else None
+        # ZeRO-3: every rank takes part in gathering the weights for hf/ and adapter/ (rank 0 gets them, on CPU)
+        exports = export_hf or has_adapter(engine.module)
+        whole = consolidated_state_dict(engine) if exports and partitioned(engine.module) else None
         if rank == 0:
-            if has_adapter(engine.module):
-                engine.module.save_pretrained(tmp / "adapter")  # adapter_config.json + adapter_model.safetensors
+            if has_adapter(engine.module):  # adapter_config.json + adapter_model.safetensors
+                engine.module.save_pretrained(tmp / "adapter", state_dict=whole)
             if export_hf:
                 export_model(engine.module, tokenizer, tmp / "hf", whole)
             (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
@@ -190,7 +191,7 @@ def export_model(model, tokenizer, directory: Path, state_dict: dict | None = No
     """The policy as a plain HF model (safetensors, config, tokenizer): with LoRA, the adapter merged in.
     `state_dict`: the weights to write where the module's own are partitioned (ZeRO-3), else None."""
     if has_adapter(model):
-        save_merged(model, directory)
+        save_merged(model, directory, state_dict)
     else:
         model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(directory)

@@ -46,10 +46,12 @@ def adapter_disabled(model):
         model.enable_adapters()
 
 
-def adapter_tensors(model) -> list[tuple[str, torch.Tensor]]:
+def adapter_tensors(model, state_dict: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
     """The adapter's tensors under the names PEFT's save_pretrained gives them in adapter_model.safetensors, the
-    names vLLM loads: `base_model.model.<layer>.lora_A.weight` and `.lora_B.weight`."""
-    return [(PEFT_PREFIX + name, tensor) for name, tensor in model.get_adapter_state_dict().items()]
+    names vLLM loads: `base_model.model.<layer>.lora_A.weight` and `.lora_B.weight`. `state_dict`: the model's
+    whole tensors where its own are partitioned (ZeRO-3)."""
+    adapter = model.get_adapter_state_dict(state_dict=state_dict)
+    return [(PEFT_PREFIX + name, tensor) for name, tensor in adapter.items()]
 
 
 def adapter_config(model) -> dict:
@@ -65,13 +67,12 @@ def push_policy(client, weights) -> int:
     model = weights.model
     if not has_adapter(model):
         return client.push_weights(weights.for_push())
-    return client.push_adapter(adapter_tensors(model), adapter_config(model))
+    return client.push_adapter(weights.adapter(), adapter_config(model))
 
 
 def policy_tensors(weights) -> list[tuple[str, torch.Tensor]]:
     """What push_policy sends: the adapter's tensors, or every weight's layout (for join_weight_group)."""
-    model = weights.model
-    return adapter_tensors(model) if has_adapter(model) else weights.layout()
+    return weights.adapter() if has_adapter(weights.model) else weights.layout()
 
 
 def server_args(cfg: Config) -> tuple[str, ...]:
@@ -83,15 +84,19 @@ def server_args(cfg: Config) -> tuple[str, ...]:
     return ("--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-versions", str(cfg.train.max_staleness + 1))
 
 
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
+def merged_state_dict(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The base model's state dict with the adapter merged in (W + scale * B A), under the base model's names:
-    merge_and_unload's result, computed without copying the (DeepSpeed-wrapped) model."""
+    merge_and_unload's result, computed without copying the (DeepSpeed-wrapped) model. `state_dict`: the model's
+    whole tensors where its own are partitioned (ZeRO-3); the deltas are then computed from them, as PEFT's
+    get_delta_weight computes them from the modules."""
     from peft.tuners.lora import LoraLayer
 
-    deltas = {f"{name}.weight": module.get_delta_weight(module.active_adapters[0])
-              for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    state = model.state_dict() if state_dict is None else state_dict
+    deltas = {f"{name}.weight": module.get_delta_weight(module.active_adapters[0]) if state_dict is None
+              else _delta_weight(module, state, name) for name, module in model.named_modules()
+              if isinstance(module, LoraLayer)}
     merged = {}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in state.items():
         if ".lora_" in key:
             continue
         plain = key.replace(".base_layer.", ".")
@@ -99,11 +104,23 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_merged(model, directory: str | Path) -> None:
+def _delta_weight(module, state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """PEFT's LoRA Linear get_delta_weight, on the A and B of `state`: B A scaled, computed in fp32 from bf16 or
+    fp16 on CPU, in the adapter's dtype."""
+    from peft.utils.other import transpose
+
+    adapter = module.active_adapters[0]
+    a, b = state[f"{name}.lora_A.{adapter}.weight"], state[f"{name}.lora_B.{adapter}.weight"]
+    upcast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+    delta = transpose(b.float() @ a.float() if upcast else b @ a, module.fan_in_fan_out) * module.scaling[adapter]
+    return delta.to(b.dtype)
+
+
+def save_merged(model, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Writes the policy with its adapter merged as a plain HF model: from_pretrained and a fresh generation
-    server load it with no PEFT involved."""
+    server load it with no PEFT involved. `state_dict`: as merged_state_dict's."""
     with torch.device("meta"):
         plain = type(model)(model.config)
-    plain.load_state_dict(merged_state_dict(model), assign=True, strict=True)
+    plain.load_state_dict(merged_state_dict(model, state_dict), assign=True, strict=True)
     plain.tie_weights()
     plain.save_pretrained(directory, safe_serialization=True)

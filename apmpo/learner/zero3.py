@@ -1,7 +1,7 @@
 """Whole weights of a learner under ZeRO-3, which keeps a 1/N slice of every parameter on each rank.
 
-Three things read the weights whole: the push into the generation servers, the checkpoint's hf/ export and
-save_best's. Gathering is a collective, so every rank takes part, in the same order. The checkpoint is collective
+Three things read the weights whole: the push into the generation servers (with LoRA, the adapter's alone), the
+checkpoint's hf/ and adapter/ exports, and save_best's. Gathering is a collective, so every rank takes part, in the same order. The checkpoint is collective
 anyway; the push and save_best are rank 0's alone (it owns the servers and the validation), so rank 0 announces
 each read and the other ranks, waiting in `WholeWeights.settle`, join it. Gathers go one module's own parameters
 at a time (a decoder layer's are split between its attention and MLP modules), so that the push never holds more
@@ -76,7 +76,7 @@ def check_finite(model: nn.Module) -> None:
 class WholeWeights:
     """Rank 0's reads of the policy's whole weights, which the other ranks join under ZeRO-3.
 
-    Rank 0 calls `for_push()` and `export_state()` (save_best) as it needs them, then `settle()`; every
+    Rank 0 calls `for_push()` or `adapter()` (the push) and `export_state()` (save_best) as it needs them, then `settle()`; every
     other rank calls `settle()` at the same point of the loop, and there takes part in each read rank 0 announces,
     until rank 0's settle. Without ZeRO-3 nothing is announced and settle() returns at once."""
 
@@ -105,6 +105,23 @@ class WholeWeights:
         check_finite(self.model)
         return StreamedTensors(self.specs(), (tensor for _, tensor in gathered_parameters(self.model)), self.device)
 
+    def adapter(self) -> list[tuple[str, Tensor]]:
+        """(rank 0) A LoRA adapter's tensors, whole, as apmpo.learner.lora.adapter_tensors names them: under ZeRO-3
+        all of its trainable parameters gathered at once (an adapter is a small fraction of the model)."""
+        from apmpo.learner.lora import adapter_tensors
+
+        if not self.partitioned:
+            return adapter_tensors(self.model)
+        self._announce("adapter")
+        return adapter_tensors(self.model, dict(self._gathered_trainable(keep=True)))
+
+    def _gathered_trainable(self, keep: bool) -> list[tuple[str, Tensor]]:
+        import deepspeed
+
+        trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters([p for _, p in trainable]):
+            return [(name, p.data.clone() if keep else p) for name, p in trainable]
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -128,6 +145,8 @@ class WholeWeights:
                 check_finite(self.model)
                 for _ in gathered_parameters(self.model, keep=False):
                     pass
+            elif read == "adapter":
+                self._gathered_trainable(keep=False)
             else:
                 consolidated_state_dict(self.engine)
 
