@@ -32,8 +32,8 @@ from apmpo.learner.checkpoint import save_best
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
 from apmpo.learner.engine import check_devices
 from apmpo.learner.metrics import MetricsLogger
-from apmpo.learner.zero3 import WholeWeights
 from apmpo.learner.prepare import load_prompts
+from apmpo.learner.zero3 import WholeWeights
 from apmpo.loss import AdaptiveParams
 from apmpo.rewards import RewardPool, get_reward
 from apmpo.rollout.launcher import gpu_memory_utilization, serve

@@ -35,8 +35,8 @@ import torch
 from apmpo.rollout.client import (GenerationClient, PushReport, Sample, ServerError, ServerUnavailable,
                                   WeightSender)
 from apmpo.rollout.net import in_thread
-from apmpo.rollout.weight_sync import StreamedTensors
 from apmpo.rollout.sampling import Sampling
+from apmpo.rollout.weight_sync import StreamedTensors
 
 # What every server of a pool must agree on: prompts are encoded once, for one model.
 SAME_ON_ALL = ("model", "max_model_len", "vocab_size", "dtype", "multimodal")
