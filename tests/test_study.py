@@ -15,7 +15,7 @@ import pytest
 
 from apmpo.study import report
 from apmpo.study.__main__ import (BUILTIN_VARIANTS, Settings, StudyError, load_study, method_overrides,
-                                  parse_parallel, parse_variant)
+                                  parse_parallel, parse_variant, saved_methods)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,6 +160,10 @@ def test_a_study_refuses_to_change_what_its_runs_were_trained_with(tmp_path):
         load_study(tmp_path, Settings("configs/quickstart.yaml", ("train.steps=5",)), {})
     with pytest.raises(StudyError, match="needs --config"):
         load_study(tmp_path / "new", None, {})
+    # A variant the study has trained is known by name on later calls.
+    load_study(tmp_path, None, {"mine": ("loss.gamma=1",)})
+    assert method_overrides("mine", saved_methods(tmp_path)) == ("loss.gamma=1",)
+    assert saved_methods(tmp_path / "new") == {}
 
 
 def run_study(*args, timeout=900):

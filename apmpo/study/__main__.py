@@ -4,6 +4,7 @@
         --methods apmpo,grpo,dapo,gmpo --seeds 0,1,2
     python -m apmpo.study --out studies/smollm2_arith --methods pmpo_only,fac_only --seeds 0,1   # same folder: more
     python -m apmpo.study --out studies/smollm2_arith --methods apmpo_bf16 --variant "apmpo_bf16: model.dtype=bf16"
+    python -m apmpo.study --out studies/smollm2_arith --methods apmpo_bf16 --seeds 2   # a variant it knows
     python -m apmpo.study --out studies/smollm2_arith --report [--reference grpo]   # the report alone
 
 A method is a loss name (apmpo, grpo, dapo, gmpo, gspo, dr_grpo: `loss.name=NAME`), one of the built-in variants
@@ -131,6 +132,12 @@ def method_overrides(name: str, variants: dict[str, tuple[str, ...]]) -> tuple[s
         return (f"loss.name={name}",)
     raise StudyError(f"--methods: {name!r} is neither a loss ({', '.join(POLICY_LOSSES)}), a built-in variant "
                      f"({', '.join(BUILTIN_VARIANTS)}) nor defined with --variant \"{name}: key=value ...\"")
+
+
+def saved_methods(out: Path) -> dict[str, tuple[str, ...]]:
+    """The methods OUT/study.json records ({} for a new study): a variant trained there needs no --variant again."""
+    path = out / "study.json"
+    return {k: tuple(v) for k, v in json.loads(path.read_text())["methods"].items()} if path.is_file() else {}
 
 
 def load_study(out: Path, settings: Settings | None, methods: dict[str, tuple[str, ...]]) -> tuple[Settings, dict]:
@@ -562,14 +569,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out
     try:
-        variants = dict(parse_variant(v) for v in args.variant)
+        variants = saved_methods(out) | dict(parse_variant(v) for v in args.variant)
         asked = [m.strip() for m in args.methods.split(",") if m.strip()]
         methods = {m: method_overrides(m, variants) for m in asked}
         settings = None if args.config is None else Settings(
             args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every)
         if args.report:
-            methods = json.loads((out / "study.json").read_text())["methods"] if (out / "study.json").is_file() else {}
-            log(f"report: {write_report(out, list(methods), args.reference)}")
+            log(f"report: {write_report(out, list(saved_methods(out)), args.reference)}")
             return 0
         if not asked:
             raise StudyError("--methods is empty: name the methods to run, e.g. --methods apmpo,grpo")
