@@ -112,9 +112,10 @@ def chunked_head_logprobs(states: Tensor, targets: Tensor, weight: Tensor, tempe
         logp, entropy = _ChunkLogprobs.apply(h, weight, y, temperature, with_entropy, bias, keep)
         logps.append(logp)
         entropies.append(entropy)
+    empty = states.new_zeros(0, dtype=torch.float32)
     if not logps:
-        return states.new_zeros(0, dtype=torch.float32), states.new_zeros(0, dtype=torch.float32)
-    return torch.cat(logps), torch.cat(entropies)
+        return empty, empty
+    return torch.cat(logps), torch.cat(entropies) if with_entropy else empty
 
 
 class LogprobHead(nn.Module):
