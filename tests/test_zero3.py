@@ -59,6 +59,7 @@ def test_zero3_trains_checkpoints_and_exports_on_two_ranks(zero3_run, tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     result = json.loads((cli / "results.json").read_text())["benchmarks"]["quickstart_val"]
     assert rows[3]["val/quickstart_val/pass@1"] == result["pass@1"]["mean"]
+    assert rows[3]["val/quickstart_val/length_mean"] == result["mean_tokens"]  # the same samples, token for token
     best = json.loads((run_dir / "checkpoints" / "best" / "best.json").read_text())
     assert best["value"] == max(rows[1]["val/quickstart_val/pass@1"], rows[3]["val/quickstart_val/pass@1"])
     assert (run_dir / "checkpoints" / "best" / "hf" / "model.safetensors").is_file()
