@@ -74,9 +74,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a model folder (default: the fetched SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"which of {', '.join(RUNS)} (zero2 and zero3 at least)")
     parser.add_argument("--worker", nargs=2, metavar=("RUN", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not {"zero2", "zero3"} <= set(args.runs.split(",")) <= set(RUNS):
+        parser.error(f"--runs {args.runs!r}: zero2 and zero3, and optionally zero3_offload")
     if args.model is None:
         from apmpo.models import fetch
 
@@ -87,7 +90,7 @@ def main() -> None:
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for run in RUNS:
+        for run in args.runs.split(","):
             out = os.path.join(tmp, run)
             command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
                        str(29700 + len(rows)), __file__, "--model", args.model, "--dtype", args.dtype,
