@@ -6,15 +6,16 @@ A bf16 learner keeps fp32 master weights (DeepSpeed bf16 + ZeRO), but its forwar
 weight's bf16 copy moves only once the master has moved by half a bf16 step (2^-8 of the weight, relative). Adam's
 first updates are about lr * sign(gradient) per weight. This script takes the gradient of the log-likelihood of
 correct answers to arithmetic problems (arith_train, the SmolLM2 config's task), applies k such steps of size lr to
-the fp32 weights, and measures the mean change of the answers' log-probabilities three ways:
+the fp32 weights, and measures the change of the answers' log-probabilities three ways:
 
 - fp32: fp32 weights, fp32 compute (what an fp32 learner sees);
 - bf16 weights: the same weights rounded to bf16, fp32 compute (the rounding alone);
 - bf16: a bf16 model, logits to fp32 for the log-softmax (what apmpo's bf16 learner sees).
 
-It prints, per k, each change and its ratio to fp32's, and the share of weights whose bf16 value moved. A ratio well
-below 1 at the k of one rollout batch (4 optimiser steps in configs/smollm2_arith.yaml) means the bf16 learner's
-forward lags its own master weights.
+It prints, per k, each mean change and its ratio to fp32's, and the share of weights whose bf16 value moved. A ratio
+well below 1 at the k of one rollout batch (4 optimiser steps in configs/smollm2_arith.yaml) means the bf16 learner's
+forward lags its own master weights. Per token it compares bf16's log-ratio log pi_k / pi_0 (what a PPO ratio sees)
+with fp32's: their correlation, and the mean |difference| over fp32's mean |log-ratio| (the rounding's share).
 """
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ import torch
 
 
 def answer_logprobs(model, batch) -> torch.Tensor:
-    """Mean log-probability of the answer tokens, the log-softmax in fp32 (as apmpo.learner.logprobs)."""
+    """The answer tokens' log-probabilities [M], the log-softmax in fp32 (as apmpo.learner.logprobs)."""
     ids, mask = batch
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-    return (logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    return logp[mask[:, 1:].bool()]
 
 
 def make_batch(tokenizer, problems: int):
@@ -82,26 +83,33 @@ def main() -> None:
     base["bf16 weights"] = answer_logprobs(model, batch)
     base["bf16"] = answer_logprobs(bf16_model, batch)
     print(f"{args.model}, lr {args.lr:g}, {args.problems} problems ({int(mask.sum())} answer tokens); "
-          f"answers' mean log-prob before: fp32 {base['fp32']:.5f}, bf16 weights {base['bf16 weights']:.5f}, "
-          f"bf16 {base['bf16']:.5f}")
-    print(f"{'k steps':>8} | {'fp32 change':>12} | {'bf16 weights':>20} | {'bf16':>20} | bf16 weights moved")
+          f"answers' mean log-prob before: fp32 {base['fp32'].mean():.5f}, "
+          f"bf16 weights {base['bf16 weights'].mean():.5f}, bf16 {base['bf16'].mean():.5f}")
+    print("Per token, the bf16 log-ratio log pi_k / pi_0 against fp32's: their correlation, and the mean |difference|")
+    print("over fp32's mean |log-ratio| (the rounding's share of what a PPO ratio sees).")
+    print(f"{'k steps':>8} | {'fp32 change':>12} | {'bf16 weights':>20} | {'bf16':>20} | bf16 weights moved | "
+          "per token: corr, noise/signal")
     for k in [int(x) for x in args.steps.split(",")]:
         moved = total = 0
         changes = {}
         for n, p in model.named_parameters():
             p.data.copy_(master[n] + k * args.lr * direction.get(n, 0))
-        changes["fp32"] = answer_logprobs(model, batch) - base["fp32"]
+        ratios = {"fp32": answer_logprobs(model, batch) - base["fp32"]}
         for (n, p), (_, q) in zip(model.named_parameters(), bf16_model.named_parameters()):
             rounded = p.data.bfloat16()
             moved += int((rounded != master[n].bfloat16()).sum())
             total += rounded.numel()
             q.data.copy_(rounded)
             p.data.copy_(rounded.float())
-        changes["bf16 weights"] = answer_logprobs(model, batch) - base["bf16 weights"]
-        changes["bf16"] = answer_logprobs(bf16_model, batch) - base["bf16"]
+        ratios["bf16 weights"] = answer_logprobs(model, batch) - base["bf16 weights"]
+        ratios["bf16"] = answer_logprobs(bf16_model, batch) - base["bf16"]
+        changes = {name: float(r.mean()) for name, r in ratios.items()}
         f = changes["fp32"]
+        corr = float(torch.corrcoef(torch.stack([ratios["fp32"], ratios["bf16"]]))[0, 1])
+        noise = float((ratios["bf16"] - ratios["fp32"]).abs().mean() / ratios["fp32"].abs().mean())
         print(f"{k:>8} | {f:>12.2e} | {changes['bf16 weights']:>10.2e} ({changes['bf16 weights'] / f:5.2f}x) | "
-              f"{changes['bf16']:>10.2e} ({changes['bf16'] / f:5.2f}x) | {moved / total:.1%}")
+              f"{changes['bf16']:>10.2e} ({changes['bf16'] / f:5.2f}x) | {moved / total:.1%} | "
+              f"{corr:.2f}, {noise:.2f}")
     print(f"({time.perf_counter() - tick:.0f} s)")
 
 
