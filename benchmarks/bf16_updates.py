@@ -26,11 +26,16 @@ import time
 import torch
 
 
-def answer_logprobs(model, batch) -> torch.Tensor:
-    """The answer tokens' log-probabilities [M], the log-softmax in fp32 (as apmpo.learner.logprobs)."""
+def answer_logprobs(model, batch, fp32_head: bool = False) -> torch.Tensor:
+    """The answer tokens' log-probabilities [M], the log-softmax in fp32 (as apmpo.learner.logprobs); `fp32_head`:
+    the LM head's matmul in fp32 too, on the backbone's (bf16) hidden states."""
     ids, mask = batch
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[:, :-1].float()
+        if fp32_head:
+            hidden = model.model(input_ids=ids).last_hidden_state[:, :-1].float()
+            logits = hidden @ model.get_output_embeddings().weight.float().T
+        else:
+            logits = model(input_ids=ids).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
     return logp[mask[:, 1:].bool()]
 
@@ -85,6 +90,10 @@ def main() -> None:
     print(f"{args.model}, lr {args.lr:g}, {args.problems} problems ({int(mask.sum())} answer tokens); "
           f"answers' mean log-prob before: fp32 {base['fp32'].mean():.5f}, "
           f"bf16 weights {base['bf16 weights'].mean():.5f}, bf16 {base['bf16'].mean():.5f}")
+    error = {name: float((base[name] - base["fp32"]).abs().mean()) for name in ("bf16 weights", "bf16")}
+    head = float((answer_logprobs(bf16_model, batch, fp32_head=True) - base["fp32"]).abs().mean())
+    print(f"mean |log-prob - fp32's| a token: bf16 weights {error['bf16 weights']:.4f}, bf16 {error['bf16']:.4f}, "
+          f"bf16 with the LM head in fp32 {head:.4f}")
     print("Per token, the bf16 log-ratio log pi_k / pi_0 against fp32's: their correlation, and the mean |difference|")
     print("over fp32's mean |log-ratio| (the rounding's share of what a PPO ratio sees).")
     print(f"{'k steps':>8} | {'fp32 change':>12} | {'bf16 weights':>20} | {'bf16':>20} | bf16 weights moved | "
