@@ -103,7 +103,8 @@ def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool
     weights.settle()
     resident = sum((p.ds_tensor if is_partitioned(p) else p).numel() * p.element_size()
                    for p in engine.module.parameters())
-    torch.save({"params": {n: t.detach().clone() for n, t in gathered_parameters(engine.module)}, "pushed": pushed if dist.is_main else None,
+    torch.save({"params": {n: t.detach().clone() for n, t in gathered_parameters(engine.module)},
+                "pushed": pushed if dist.is_main else None,
                 "param_bytes": resident,
                 "grad_norms": grad_norms, "micro_batches": [len(step.micro[dist.rank]) for step in plan],
                 "metrics": metrics, "trained": sorted(i for step in plan for m in step.micro[dist.rank] for i in m)},

@@ -1,11 +1,11 @@
 """Whole weights of a learner under ZeRO-3, which keeps a 1/N slice of every parameter on each rank.
 
 Three things read the weights whole: the push into the generation servers (with LoRA, the adapter's alone), the
-checkpoint's hf/ and adapter/ exports, and save_best's. Gathering is a collective, so every rank takes part, in the same order. The checkpoint is collective
-anyway; the push and save_best are rank 0's alone (it owns the servers and the validation), so rank 0 announces
-each read and the other ranks, waiting in `WholeWeights.settle`, join it. Gathers go one module's own parameters
-at a time (a decoder layer's are split between its attention and MLP modules), so that the push never holds more
-whole tensors than a bucket and a module's.
+checkpoint's hf/ and adapter/ exports, and save_best's. Gathering is a collective, so every rank takes part, in the
+same order. The checkpoint is collective anyway; the push and save_best are rank 0's alone (it owns the servers
+and the validation), so rank 0 announces each read and the other ranks, waiting in `WholeWeights.settle`, join it.
+Gathers go one module's own parameters at a time (a decoder layer's are split between its attention and MLP
+modules), so that the push never holds more whole tensors than a bucket and a module's.
 
 Under ZeRO-0/1/2 the weights are whole on every rank, and all of this reads them directly, with no collective.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor, nn
 
-from apmpo.rollout.weight_sync import StreamedTensors
+from apmpo.rollout.weight_sync import StreamedTensors, all_finite
 
 
 def is_partitioned(param: Tensor) -> bool:
@@ -65,7 +65,7 @@ def check_finite(model: nn.Module) -> None:
     half-way, with the engines holding half the new weights)."""
     params = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
     slices = [p.ds_tensor if is_partitioned(p) else p for _, p in params]
-    finite = torch.stack([torch.isfinite(s).all() for s in slices]).to(torch.int32)
+    finite = torch.stack([all_finite(s) for s in slices]).to(torch.int32)
     if partitioned(model) and torch_dist.is_initialized():
         torch_dist.all_reduce(finite, op=torch_dist.ReduceOp.MIN)
     if not finite.all():
@@ -76,9 +76,9 @@ def check_finite(model: nn.Module) -> None:
 class WholeWeights:
     """Rank 0's reads of the policy's whole weights, which the other ranks join under ZeRO-3.
 
-    Rank 0 calls `for_push()` or `adapter()` (the push) and `export_state()` (save_best) as it needs them, then `settle()`; every
-    other rank calls `settle()` at the same point of the loop, and there takes part in each read rank 0 announces,
-    until rank 0's settle. Without ZeRO-3 nothing is announced and settle() returns at once."""
+    Rank 0 calls `for_push()` or `adapter()` (the push) and `export_state()` (save_best) as it needs them, then
+    `settle()`; every other rank calls `settle()` at the same point of the loop, and there takes part in each read
+    rank 0 announces, until rank 0's settle. Without ZeRO-3 nothing is announced and settle() returns at once."""
 
     def __init__(self, model: nn.Module, engine=None, rank: int = 0, world_size: int = 1):
         """`model`: the policy (`engine.module`); `engine`: its DeepSpeed engine, needed under ZeRO-3."""
