@@ -132,8 +132,9 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
     # Completions of one prompt packed into shared rows (apmpo/learner/logprobs.py): decided here, once, for the plan
     # of micro-batches and for every forward of the step.
     packed = shares_prompts(engine.module) and not any(r.mm for r in rollouts)
+    # Without a KL term a row of advantage 0 has no gradient in any loss: it is planned out of every forward.
     plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed,
-                     packed)
+                     packed, skip_zero_advantage=cfg.loss.kl_beta == 0)
     micro = [[collate(rollouts, indices, pad_id) for indices in step.micro[dist.rank]] for step in plan]
     groups = torch.tensor([r.group for r in rollouts])
     totals, times, device = StepTotals(), {}, dist.device

@@ -4,7 +4,7 @@
     deepspeed --num_gpus 2 tests/learner_update_worker.py SCENARIOS.json
 
 SCENARIOS.json is a list of {"out": dir, "set": [overrides], "recompute_old": bool, "nan_advantage": bool,
-"no_rollouts": bool}; each scenario builds a fresh model and DeepSpeed engine in this one process (a process and
+"no_rollouts": bool, "alike_groups": [groups], "tiny_advantage": bool}; each scenario builds a fresh model and DeepSpeed engine in this one process (a process and
 its DeepSpeed import per scenario cost most of these tests' time), and writes out/rank<r>.pt with the parameters
 after the optimiser steps (gathered whole under ZeRO-3), what rank 0's weight push reads of them, the parameter
 bytes this rank holds, the gradient norm of each step, the step's metrics and the rollouts this rank trained on. tests/test_learner.py compares scenarios that split the same batch differently.
@@ -64,10 +64,14 @@ def main():
 
 
 def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool = False,  # noqa: A002
-                 nan_advantage: bool = False, no_rollouts: bool = False) -> None:
+                 nan_advantage: bool = False, no_rollouts: bool = False, alike_groups: list[int] = (),
+                 tiny_advantage: bool = False) -> None:
     """recompute_old: old log-probs by a separate forward. nan_advantage: fault injection, rollout 0's advantage is
     NaN (its optimiser step's gradients too). no_rollouts: every completion masked (rollout.mask_truncated with all
-    truncated), nothing to train."""
+    truncated), nothing to train. alike_groups: these groups' samples all scored 1, so their advantages are 0.
+    tiny_advantage: the rows of advantage 0 get 1e-30 instead, so that they are
+    trained (without a KL term a row of advantage 0 is planned out of the forwards), with a gradient below
+    round-off."""
     # adam_eps well above round-off: Adam's first step is ~ lr * sign(g), so with a tiny eps a gradient that is
     # zero up to round-off would turn summation-order noise into +-lr steps and hide what the test compares.
     cfg = load_config(None, ["model.dtype=fp32", "rollout.prompts_per_step=8", "rollout.group_size=4",
@@ -81,13 +85,20 @@ def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool
     reference = build_model(tokenizer, seed=1).requires_grad_(False) if cfg.loss.kl_beta > 0 else None
 
     rollouts, rewards = synthetic_rollouts(cfg.rollout.prompts_per_step, cfg.rollout.group_size, len(tokenizer))
+    for rollout in rollouts:
+        if rollout.group in alike_groups:
+            rollout.reward, rollout.advantage = 1.0, 0.0
+            rewards[rollout.group] = 1.0
     params = adaptive_params(rewards, cfg.loss)
     if nan_advantage:
         rollouts[0].advantage = float("nan")
     if no_rollouts:
         rollouts = []
+    if tiny_advantage:
+        for rollout in rollouts:
+            rollout.advantage = rollout.advantage or 1e-30
     plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed=0,
-                     packed=shares_prompts(engine.module))  # as train_on_batch plans it
+                     packed=shares_prompts(engine.module), skip_zero_advantage=cfg.loss.kl_beta == 0)  # as train_on_batch plans it
     grad_norms = []
     engine.step = _recording(engine.step, engine, grad_norms)
     metrics = train.train_on_batch(engine, reference, rollouts, params, cfg, dist, tokenizer.pad_token_id, seed=0,

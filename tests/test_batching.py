@@ -30,6 +30,24 @@ def test_plan_covers_every_sequence_once_with_equal_micro_batch_counts(world_siz
     assert sorted(seen) == list(range(32))
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_rows_of_advantage_zero_get_no_micro_batch_but_count_in_the_normalisers(world_size):
+    batch = rollouts([(5 * i) % 13 + 1 for i in range(16)])
+    for r in batch:
+        r.advantage = 0.0 if r.group in (1, 2) else 1.0
+    full = plan_step(batch, num_steps=2, world_size=world_size, token_budget=64, seed=0)
+    skipped = plan_step(batch, num_steps=2, world_size=world_size, token_budget=64, seed=0, skip_zero_advantage=True)
+    for a, b in zip(full, skipped):
+        assert (a.num_seqs, a.num_tokens) == (b.num_seqs, b.num_tokens) == (8, a.num_tokens)
+        assert sorted(b.indices) == [i for i in sorted(a.indices) if batch[i].group not in (1, 2)]
+    # An optimiser step with no row left runs one zero-weight dummy micro-batch on each rank: Adam still steps.
+    for r in batch:
+        r.advantage = 0.0
+    for step in plan_step(batch, num_steps=2, world_size=world_size, token_budget=64, seed=0,
+                          skip_zero_advantage=True):
+        assert step.micro == [[[]]] * world_size and step.num_seqs == 8
+
+
 def test_empty_batch_plans_no_step():
     assert plan_step([], num_steps=2, world_size=2, token_budget=64, seed=0) == []
 

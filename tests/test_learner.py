@@ -54,6 +54,9 @@ SCENARIOS = {
     "recomputed": {"set": ON_POLICY, "recompute_old": True},
     "faulty": {"set": ["train.micro_batch_tokens=100000"], "nan_advantage": True},
     "empty": {"no_rollouts": True},
+    # Without a KL term the rows of advantage 0 are left out of the forwards; given 1e-30 instead, they are run.
+    "skipping": {"set": ["loss.kl_beta=0", "loss.name=apmpo"], "alike_groups": [1, 4, 6]},
+    "not_skipping": {"set": ["loss.kl_beta=0", "loss.name=apmpo"], "alike_groups": [1, 4, 6], "tiny_advantage": True},
 }
 
 
@@ -151,6 +154,17 @@ def test_on_policy_step_reuses_the_update_forward_bit_for_bit(single_rank):
     assert len(reused["grad_norms"]) == 1 and max(reused["micro_batches"]) > 3
     assert_identical(reused, recomputed)
     assert reused["metrics"]["policy/entropy"] > 0
+
+
+@pytest.mark.slow
+def test_rows_of_advantage_zero_are_left_out_and_the_step_is_the_same(single_rank):
+    # A group whose samples all scored alike has advantage 0 in every row: with no KL term its rows have no gradient
+    # in any loss (tests/test_loss.py), so they are not run; the normalisers count them, so the step is the same.
+    skipping, running = single_rank["skipping"], single_rank["not_skipping"]
+    assert running["trained"] == list(range(32))
+    assert skipping["trained"] == [i for i in range(32) if i // 4 not in (1, 4, 6)]
+    assert_same_step(skipping, running)
+    assert skipping["metrics"]["loss/policy"] == pytest.approx(running["metrics"]["loss/policy"], rel=1e-5, abs=1e-9)
 
 
 @pytest.mark.slow

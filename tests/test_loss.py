@@ -636,6 +636,33 @@ def test_micro_batches_with_global_normalisers_equal_whole_batch(name):
     torch.testing.assert_close(split.grad, whole.grad, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_rows_of_advantage_zero_have_no_gradient_and_can_be_left_out(name, weighted):
+    # Why the learner plans them out of its forwards when there is no KL term (apmpo.learner.batching.plan_step):
+    # their gradient is exactly 0, and the other rows' loss and gradient are the same without them, given the
+    # whole batch's normalisers.
+    logp, old, adv, mask = random_batch(12, 17, seed=10, dtype=torch.float32)
+    adv[[2, 3, 7]] = 0.0
+    weights = torch.rand(12, 17, generator=torch.Generator().manual_seed(11)) * 2 if weighted else None
+    cfg = LossConfig(name=name, kl_beta=0.0, stats_scope="group", token_budget=BUDGET)
+    params = adaptive_params(torch.rand(3, 4), cfg).per_sequence(torch.arange(3).repeat_interleave(4))
+
+    whole = logp.clone().requires_grad_(True)
+    loss, _ = policy_loss(whole, old, adv, mask, cfg, params, token_weights=weights)
+    loss.backward()
+    assert torch.count_nonzero(whole.grad[[2, 3, 7]]) == 0
+    assert torch.count_nonzero(whole.grad) > 0
+
+    kept = torch.tensor([0, 1, 4, 5, 6, 8, 9, 10, 11])
+    part = logp[kept].clone().requires_grad_(True)
+    loss_kept, _ = policy_loss(part, old[kept], adv[kept], mask[kept], cfg, params.per_sequence(kept), num_seqs=12,
+                               num_tokens=mask.sum(), token_weights=None if weights is None else weights[kept])
+    loss_kept.backward()
+    assert loss_kept.item() == pytest.approx(loss.item(), rel=1e-5)
+    torch.testing.assert_close(part.grad, whole.grad[kept], rtol=1e-5, atol=1e-8)
+
+
 def test_metrics_are_detached_tensors():
     logp, old, adv, mask = random_batch(4, 6, seed=1, dtype=torch.float32)
     x = logp.clone().requires_grad_(True)

@@ -223,10 +223,15 @@ class OptimizerStep:
 
 
 def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_budget: int, seed: int,
-              packed: bool = False) -> list[OptimizerStep]:
+              packed: bool = False, skip_zero_advantage: bool = False) -> list[OptimizerStep]:
     """The optimiser steps of one rollout batch (`num_steps`, fewer if there are fewer groups), each cut into
     every rank's micro-batches (`packed`: the model's log-probs pack completions, so by split_packed). No rollouts
-    (all masked, e.g. every completion truncated under rollout.mask_truncated): no step."""
+    (all masked, e.g. every completion truncated under rollout.mask_truncated): no step.
+
+    `skip_zero_advantage`: rows whose advantage is 0 (all of a group whose samples scored alike) get no micro-batch,
+    since every policy loss multiplies a row's terms by its advantage: without a KL term their gradient is exactly 0
+    and running them changes nothing but the step's time. The normalisers still count them, so the step's gradient
+    is the same. An optimiser step left with no row runs one dummy micro-batch: Adam's step still happens."""
     if not rollouts:
         return []
     lengths = [r.num_tokens for r in rollouts]
@@ -237,9 +242,10 @@ def plan_step(rollouts: list[Rollout], num_steps: int, world_size: int, token_bu
     plan = []
     for chunk in mini_batches(len(groups), num_steps, seed):
         indices = [i for g in chunk for i in by_group[groups[g]]]
+        trained = [i for i in indices if rollouts[i].advantage != 0] if skip_zero_advantage else indices
         per_rank = [split_packed(s, rollouts, token_budget) if packed else split_by_budget(s, lengths, token_budget)
-                    for s in shard_by_tokens(indices, lengths, world_size)]
-        count = max(len(m) for m in per_rank)
+                    for s in shard_by_tokens(trained, lengths, world_size)]
+        count = max(1, max(len(m) for m in per_rank))
         plan.append(OptimizerStep([equalize(m, count) for m in per_rank], len(indices),
                                   sum(rollouts[i].num_sampled for i in indices)))
     return plan
