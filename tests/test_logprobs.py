@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import apmpo.learner.logprobs as logprobs_module
-from apmpo.learner.logprobs import token_logprobs
+from apmpo.learner.logprobs import attention_kernel, token_logprobs
 from apmpo.tiny import build_model, build_tokenizer
 
 # --------------------------------------------------------------------------- fixtures and the reference
@@ -214,7 +214,8 @@ def test_bf16_model_is_finite_and_close_to_fp32():
     model = model.to(torch.bfloat16)
 
     logp, entropy = token_logprobs(model, *batch, temperature=0.6, chunk_tokens=16, with_entropy=True)
-    bf16_logp, _ = reference(model, *batch, 0.6)
+    with attention_kernel(model, batch[0]):  # SDPA's math kernel for a bf16 forward with grad on CPU, as it took
+        bf16_logp, _ = reference(model, *batch, 0.6)
     assert logp.dtype == entropy.dtype == torch.float32
     assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
     torch.testing.assert_close(logp, bf16_logp, rtol=0, atol=1e-4)
@@ -222,6 +223,29 @@ def test_bf16_model_is_finite_and_close_to_fp32():
     torch.testing.assert_close(entropy, fp32_entropy, rtol=0, atol=2e-2)
     logp.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_a_bf16_cpu_forward_with_grad_takes_sdpas_math_kernel_where_its_weights_fit(monkeypatch):
+    """attention_kernel: PyTorch's flash kernel for CPU is slow in its bf16 backward (docstring), so a bf16 forward
+    that will be differentiated takes the math kernel, unless its attention weights would exceed the budget; no-grad
+    forwards and fp32 keep PyTorch's choice. Which kernel ran is seen in the profiler's op names."""
+    model = make_model(tied=True).to(torch.bfloat16)
+    ids = make_batch(len(tokenizer()))[0]
+
+    def kernels(grad=True):
+        with torch.profiler.profile() as prof, torch.set_grad_enabled(grad), attention_kernel(model, ids):
+            model(input_ids=ids)
+        names = {e.name for e in prof.events()}
+        return {k for k, op in (("math", "aten::_scaled_dot_product_attention_math"),
+                                ("flash", "aten::_scaled_dot_product_flash_attention_for_cpu")) if op in names}
+
+    assert kernels() == {"math"}
+    assert kernels(grad=False) == {"flash"}
+    monkeypatch.setattr(logprobs_module, "MATH_ATTENTION_BYTES", 1000)
+    assert kernels() == {"flash"}
+    model.float()
+    monkeypatch.undo()
+    assert kernels() == {"flash"}
 
 
 # --------------------------------------------------------------------------- memory: no full logits
