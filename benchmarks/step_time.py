@@ -6,6 +6,8 @@
     python benchmarks/step_time.py --sizes quickstart --prompt-tokens 128   # longer prompts, same task
     python benchmarks/step_time.py --sizes quickstart --set rollout.num_servers=1   # an apmpo config override
     python benchmarks/step_time.py --sizes smollm2 --tokens 48 64 --steps 4 --warmup 1   # the real model (issue 32)
+    PYTHONPATH=<trl> python benchmarks/step_time.py --sizes smollm2 --tokens 64 --baseline-dtypes fp32 bf16 \
+        --set model.dtype=bf16                      # issue 45: TRL's both precisions, and the machine's limit
 
 The task is the quickstart's (16 prompts x 8 samples, apmpo/quickstart.py), one optimiser step per rollout batch,
 KL beta 0.001 against a reference model, fp32; apmpo otherwise runs configs/quickstart.yaml (two generation
@@ -19,11 +21,14 @@ over the run (the printed mean lengths show it).
 
 The real model, `--sizes smollm2`: SmolLM2-135M-Instruct (30 layers, fetched by apmpo.models) on "What is A + B?"
 with A, B in 10-99 under the math system prompt, 8 prompts x 4 samples, no reference model (beta 0), the math
-reward, one server, compiled (apmpo's default: the quickstart config this script starts from turns compilation
-off for its tiny model; on 2 cores a first compile of SmolLM2 adds about 80 s to the start, cached later). After
+reward plus a graded term that keeps every group's samples apart (GRADED_REWARD: both sides train every row),
+one server, compiled (apmpo's default: the quickstart config this script starts from turns compilation off for its
+tiny model; on 2 cores a first compile of SmolLM2 adds about 80 s to the start, cached later). After
 its runs, a plain torch forward+backward of the same model over the same tokens (apmpo's batch, padded: prompts +
-mean completion length) is timed: the learner's limit on this machine. Its update is
-reported against it, with tokens/s.
+mean completion length) is timed, and its update is reported against it, with tokens/s. Then the machine's limit
+for the whole step (`step_limit`): the update's and prefill's FLOPs at the bf16 matmul rate measured here, and
+each decode step at that rate or its weight and KV bytes at the measured memory bandwidth, whichever is slower;
+apmpo's step and phases, and the fastest baseline, are reported as multiples of it.
 
 The baseline is TRL's GRPOTrainer (HF generate in process) when `trl` is importable, else a plain in-process
 GRPO step (HF generate, a log-prob forward of the policy and the reference, one backward, AdamW), written
@@ -68,7 +73,17 @@ class Task:
 
 
 TASKS = {"quickstart": Task(16, 8, 0.001, "quickstart"), "big": Task(16, 8, 0.001, "quickstart"),
-         "smollm2": Task(8, 4, 0.0, "math")}
+         "smollm2": Task(8, 4, 0.0, "step_time_reward:graded")}  # write_additions writes it
+
+# SmolLM2 scores about 0 on these sums, and apmpo leaves rows of advantage 0 out of its forwards (docs/training.md):
+# a graded term makes every group's samples differ, so that both sides' updates compute every row.
+GRADED_REWARD = '''"""benchmarks/step_time.py's reward: the math reward plus a small graded term (distinct words / 1000)."""
+from apmpo.rewards import math_reward
+
+
+def graded(completion: str, sample: dict) -> float:
+    return math_reward(completion, sample) + len(set(completion.split())) / 1000
+'''
 
 
 def learner_threads(max_staleness: int = 0) -> int:
@@ -107,9 +122,11 @@ def _prompt_tokens(model: Path, records_path: str) -> int:
 
 
 def write_additions(root: Path) -> Path:
-    """512 "What is A + B?" records, A and B in 10-99 (apmpo's math fields: the math system prompt)."""
+    """512 "What is A + B?" records, A and B in 10-99 (apmpo's math fields: the math system prompt), and the
+    module of their reward (GRADED_REWARD)."""
     rng = random.Random(0)
     pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(512)]
+    (root / "step_time_reward.py").write_text(GRADED_REWARD)  # both sides import it: main puts root on PYTHONPATH
     path = root / "additions.jsonl"
     path.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
                             for a, b in pairs))
@@ -177,7 +194,9 @@ def run_apmpo(model: Path, task: Task, tokens: int, steps: int, warmup: int, out
     return {"step": statistics.median(r["time/step"] for r in kept),
             **{p: statistics.median(r[f"time/{p}"] for r in kept) for p in PHASES},
             "length": statistics.mean(r["response/length_mean"] for r in kept),
+            "length_max": max(r["response/length_max"] for r in kept),
             "reward": statistics.mean(r["reward/mean"] for r in kept),
+            "informative": statistics.mean(r["rollout/informative_groups_frac"] for r in kept),
             "startup": wall - sum(r["time/step"] for r in rows), "learner_rss": peaks["learner"],
             "server_rss": peaks["server"]}
 
@@ -217,9 +236,9 @@ def run_watching_memory(command: list[str]) -> tuple[subprocess.CompletedProcess
 
 
 def run_baseline(model: Path, size: str, tokens: int, steps: int, warmup: int, out: Path, threads: int,
-                 prompts: str = "quickstart") -> dict:
+                 prompts: str = "quickstart", dtype: str = "fp32") -> dict:
     command = [sys.executable, __file__, "--baseline-run", str(model), size, str(tokens), str(steps), str(out),
-               str(threads), prompts]
+               str(threads), prompts, dtype]
     start = time.perf_counter()
     done, peaks = run_watching_memory(command)
     wall = time.perf_counter() - start
@@ -231,16 +250,20 @@ def run_baseline(model: Path, size: str, tokens: int, steps: int, warmup: int, o
             "startup": wall - sum(result["steps"]), "name": result["name"], "rss": peaks["learner"] + peaks["server"]}
 
 
-def baseline_main(model: str, task: Task, tokens: int, steps: int, out: Path, threads: int, prompts: str) -> None:
+def baseline_main(model: str, task: Task, tokens: int, steps: int, out: Path, threads: int, prompts: str,
+                  dtype: str) -> None:
     import torch
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     try:
         import trl  # noqa: F401
     except ImportError:
+        if dtype != "fp32":
+            raise SystemExit("--baseline-dtypes bf16 needs TRL (its bf16=True); the plain baseline is fp32")
         result = _plain_grpo(model, task, tokens, steps, prompts)
     else:
-        result = _trl_grpo(model, task, tokens, steps, out, prompts)
+        result = _trl_grpo(model, task, tokens, steps, out, prompts, dtype)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "baseline.json").write_text(json.dumps(result))
 
 
@@ -259,7 +282,7 @@ def _reward(task: Task, completions: list[str], samples: list[dict]) -> list[flo
     return [reward(c, s) for c, s in zip(completions, samples)]
 
 
-def _trl_grpo(model: str, task: Task, tokens: int, steps: int, out: Path, prompts: str) -> dict:
+def _trl_grpo(model: str, task: Task, tokens: int, steps: int, out: Path, prompts: str, dtype: str) -> dict:
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -291,10 +314,11 @@ def _trl_grpo(model: str, task: Task, tokens: int, steps: int, out: Path, prompt
     config = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=2 * task.group,
                         gradient_accumulation_steps=task.prompts // 2, num_generations=task.group,
                         max_completion_length=tokens, max_steps=steps, learning_rate=LR, beta=task.beta, temperature=1.0, top_k=0, logging_steps=1, save_strategy="no", report_to="none",
-                        use_cpu=True, bf16=False, seed=0, disable_tqdm=True, lr_scheduler_type="constant")
+                        use_cpu=True, bf16=dtype == "bf16", seed=0, disable_tqdm=True, lr_scheduler_type="constant")
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, callbacks=[clock])
     trainer.train()
-    return {"name": f"TRL {trl.__version__} GRPOTrainer", "steps": clock.steps, "lengths": clock.lengths}
+    name = f"TRL {trl.__version__} GRPOTrainer" + (" bf16=True" if dtype == "bf16" else "")
+    return {"name": name, "steps": clock.steps, "lengths": clock.lengths}
 
 
 def _plain_grpo(model_path: str, task: Task, tokens: int, steps: int, prompts: str) -> dict:
@@ -356,23 +380,80 @@ def _plain_grpo(model_path: str, task: Task, tokens: int, steps: int, prompts: s
 
 
 def plain_forward_backward(model_path: Path, sequences: int, tokens: int, completion: int, threads: int,
-                           repeats: int = 3) -> float:
-    """Median seconds of one forward+backward of `sequences` rows of `tokens` ids in one batch (fp32, training mode,
-    the log-probs of the last `completion` positions summed as the loss): what any trainer must spend on them."""
+                           dtype: str = "fp32", repeats: int = 3) -> float:
+    """Median seconds of one forward+backward of `sequences` rows of `tokens` ids in one batch (training mode, the
+    log-probs of the last `completion` positions summed as the loss): what any trainer must spend on them."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).train()
     ids = torch.randint(0, model.config.vocab_size, (sequences, tokens), generator=torch.Generator().manual_seed(0))
     times = []
     for _ in range(repeats):
         tick = time.perf_counter()
-        logits = model(input_ids=ids).logits[:, -completion - 1 : -1]
+        logits = model(input_ids=ids).logits[:, -completion - 1 : -1].float()
         torch.log_softmax(logits, -1).gather(-1, ids[:, -completion:, None]).sum().backward()
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - tick)
     return statistics.median(times)
+
+
+# --- the machine's limit for a step: its FLOPs at the measured matmul rate, its bytes at the measured bandwidth ------
+
+
+def measured_rates(threads: int) -> dict[str, float]:
+    """This machine's matmul rates (FLOP/s of [2048, 576] x [576, 1536], SmolLM2's MLP shape, best of 30) in bf16
+    and fp32, and its memory bandwidth (bytes/s read and written by a 512 MiB copy, best of 10)."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+    def best(fn, repeats: int) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            tick = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - tick)
+        return min(times)
+
+    rates = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        rates[name] = 2 * 2048 * 576 * 1536 / best(lambda: torch.mm(a, b), 30)
+    source = torch.ones(2**27)
+    target = torch.empty_like(source)
+    rates["bandwidth"] = 2 * source.numel() * 4 / best(lambda: target.copy_(source), 10)
+    return rates
+
+
+def step_limit(model_path: Path, task: Task, prompt_tokens: int, length_mean: float, length_max: int,
+               rates: dict[str, float], dtype_bytes: int = 2) -> dict[str, float]:
+    """Seconds below which a step cannot go on this machine, in bf16: the update's forward and backward (3x the
+    forward's FLOPs; each prompt once per group, as the learner runs it; the LM head over completion tokens only)
+    and the prefill (each prompt once: the engine's prefix cache) at the bf16 matmul rate, and each decode step at
+    that rate or its weight and KV-cache bytes at the bandwidth, whichever is slower. Attention's own FLOPs (about
+    2% here) are left out: the limit is, if anything, low."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    backbone = 2 * layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * config["intermediate_size"])
+    head = 2 * vocab * hidden  # FLOPs per token
+    rate = rates["bf16"]
+    rows = task.prompts * task.group
+    prompt, completion = task.prompts * prompt_tokens, rows * length_mean
+    update = 3 * (backbone * (prompt + completion) + head * completion) / rate
+    prefill = (backbone * prompt + head * task.prompts) / rate
+    # Decoding: the rows still going at each of the longest completion's steps, on average (completion tokens in all).
+    alive = completion / max(length_max, 1)
+    weight_bytes = dtype_bytes * (backbone + head) / 2
+    kv_bytes = 2 * layers * kv * dtype_bytes  # per cached position
+    decode = sum(max((backbone + head) * alive / rate,
+                     (weight_bytes + kv_bytes * alive * (prompt_tokens + t)) / rates["bandwidth"])
+                 for t in range(length_max))
+    return {"update": update, "generate": prefill + decode, "step": update + prefill + decode}
 
 
 # --- main ------------------------------------------------------------------------------------------------------
@@ -395,12 +476,15 @@ def main() -> None:
                         help="lengthen every prompt to this many tokens (default: the quickstart's 22)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of apmpo's config, as train.py's --set (e.g. rollout.num_servers=1)")
-    parser.add_argument("--baseline-run", nargs=7, help=argparse.SUPPRESS,
-                        metavar=("MODEL", "SIZE", "TOKENS", "STEPS", "OUT", "THREADS", "PROMPTS"))
+    parser.add_argument("--baseline-dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                        help="TRL's precisions to run, each beside apmpo (bf16: its bf16=True, CPU autocast); the "
+                             "ratio is against the fastest")
+    parser.add_argument("--baseline-run", nargs=8, help=argparse.SUPPRESS,
+                        metavar=("MODEL", "SIZE", "TOKENS", "STEPS", "OUT", "THREADS", "PROMPTS", "DTYPE"))
     args = parser.parse_args()
     if args.baseline_run:
-        model, size, tokens, steps, out, threads, prompts = args.baseline_run
-        return baseline_main(model, TASKS[size], int(tokens), int(steps), Path(out), int(threads), prompts)
+        model, size, tokens, steps, out, threads, prompts, dtype = args.baseline_run
+        return baseline_main(model, TASKS[size], int(tokens), int(steps), Path(out), int(threads), prompts, dtype)
     if args.tiny:
         args.sizes, args.tokens, args.steps, args.warmup = ["quickstart"], [8], 2, 1
         args.sets = [*args.sets, "rollout.num_servers=1"]
@@ -409,12 +493,14 @@ def main() -> None:
 
     threads = args.baseline_threads or learner_threads()
     root = Path(tempfile.mkdtemp(prefix="apmpo_step_time_"))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     models = save_models(root, args.sizes)
     prompts = str(write_prompts(root, args.prompt_tokens)) if args.prompt_tokens else "quickstart"
     load = os.getloadavg()[0]
     tasks = ", ".join(f"{size}: {TASKS[size].prompts} prompts x {TASKS[size].group} samples, beta {TASKS[size].beta}"
                       for size in args.sizes)
-    print(f"{os.cpu_count()} cores, load {load:.1f} at start; {tasks}; fp32; apmpo learner threads {learner_threads(args.max_staleness)}, baseline threads {threads}, apmpo max_staleness "
+    dtype = "bf16" if "model.dtype=bf16" in args.sets else "fp32"
+    print(f"{os.cpu_count()} cores, load {load:.1f} at start; {tasks}; apmpo in {dtype}; apmpo learner threads {learner_threads(args.max_staleness)}, baseline threads {threads}, apmpo max_staleness "
           f"{args.max_staleness}; median of steps {args.warmup + 1}-{args.steps}, "
           f"{args.rounds} round(s); prompts {args.prompt_tokens or 22} tokens; apmpo --set {args.sets}", flush=True)
     for size in args.sizes:
@@ -424,30 +510,46 @@ def main() -> None:
             prompt_tokens = _prompt_tokens(models[size], size_prompts)
             sets = ("rollout.num_servers=1", "rollout.enforce_eager=false", "eval.every=0", *sets)  # apmpo's defaults
         for tokens in args.tokens:
-            ours, theirs = [], []
+            ours, theirs = [], {dtype: [] for dtype in args.baseline_dtypes}
             for r in range(args.rounds):
                 ours.append(run_apmpo(models[size], task, tokens, args.steps, args.warmup,
                                       root / f"{size}_{tokens}_{r}", args.max_staleness, size_prompts, prompt_tokens,
                                       sets))
-                theirs.append(run_baseline(models[size], size, tokens, args.steps, args.warmup,
-                                           root / f"{size}_{tokens}_{r}", threads, size_prompts))
+                for dtype in args.baseline_dtypes:
+                    theirs[dtype].append(run_baseline(models[size], size, tokens, args.steps, args.warmup,
+                                                      root / f"{size}_{tokens}_{r}_{dtype}", threads, size_prompts,
+                                                      dtype))
             a = {k: statistics.median(run[k] for run in ours) for k in ours[0]}
-            b = {k: statistics.median(run[k] for run in theirs) for k in ("step", "length", "startup", "rss")}
             phases = ", ".join(f"{p} {a[p]:.3f}" for p in PHASES)
             print(f"\n{size} model, {tokens} new tokens:", flush=True)
             print(f"  apmpo:    {a['step']:.3f} s/step  (length {a['length']:.1f}; start-up {a['startup']:.0f} s; peak "
                   f"RSS learner {a['learner_rss']:.2f} GB, server {a['server_rss']:.2f} GB)  {phases}")
-            print(f"  baseline: {b['step']:.3f} s/step  (length {b['length']:.1f}; start-up {b['startup']:.0f} s; peak "
-                  f"RSS {b['rss']:.2f} GB)  {theirs[0]['name']}")
-            print(f"  ratio apmpo/baseline speed: {b['step'] / a['step']:.2f}x  (baseline s/step over apmpo s/step)", flush=True)
-            if size == "smollm2":  # the learner against the limit: the same tokens through plain torch
+            fastest = None
+            for dtype, runs in theirs.items():
+                b = {k: statistics.median(run[k] for run in runs) for k in ("step", "length", "startup", "rss")}
+                print(f"  baseline: {b['step']:.3f} s/step  (length {b['length']:.1f}; start-up {b['startup']:.0f} s; "
+                      f"peak RSS {b['rss']:.2f} GB)  {runs[0]['name']}")
+                fastest = b["step"] if fastest is None else min(fastest, b["step"])
+            print(f"  ratio apmpo/baseline speed: {fastest / a['step']:.2f}x  (the fastest baseline's s/step over "
+                  f"apmpo's)", flush=True)
+            if size == "smollm2":  # the learner against a plain forward+backward, the step against the machine
                 sequences, width = task.prompts * task.group, prompt_tokens + round(a["length"])
+                dtype = "bf16" if "model.dtype=bf16" in sets else "fp32"
                 plain = plain_forward_backward(models[size], sequences, width, round(a["length"]),
-                                               learner_threads(args.max_staleness))
+                                               learner_threads(args.max_staleness), dtype)
                 print(f"  learner: update {a['update']:.2f} s + log-probs {a['logprob']:.2f} s; plain torch forward+"
-                      f"backward of {sequences} x {width} tokens {plain:.2f} s ({sequences * width / plain:.0f} "
+                      f"backward of {sequences} x {width} tokens in {dtype} {plain:.2f} s ({sequences * width / plain:.0f} "
                       f"tokens/s, the learner's {sequences * width / a['update']:.0f}): "
-                      f"{a['update'] / plain:.2f}x the limit; reward/mean {a['reward']:.2f}", flush=True)
+                      f"{a['update'] / plain:.2f}x it; reward/mean {a['reward']:.2f}, groups with a gradient "
+                      f"{a['informative']:.2f} (the others are not run: docs/training.md)", flush=True)
+                rates = measured_rates(learner_threads(args.max_staleness))
+                limit = step_limit(models[size], task, prompt_tokens, a["length"], int(a["length_max"]), rates)
+                print(f"  machine: bf16 matmul {rates['bf16'] / 1e9:.0f} GFLOP/s, fp32 {rates['fp32'] / 1e9:.0f}, "
+                      f"memory {rates['bandwidth'] / 1e9:.1f} GB/s; the step's limit {limit['step']:.2f} s (update "
+                      f"{limit['update']:.2f}, generate {limit['generate']:.2f}): apmpo at {a['step'] / limit['step']:.2f}x "
+                      f"it (update {a['update'] / limit['update']:.2f}x, generate "
+                      f"{a['generate'] / limit['generate']:.2f}x); the fastest baseline at "
+                      f"{fastest / limit['step']:.2f}x", flush=True)
     print(f"load {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -148,6 +148,7 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         "reward/std": raw.std(unbiased=False).item(),
         "reward/trained_mean": rewards.mean().item(),
         "response/length_mean": sum(lengths) / len(lengths),
+        "response/length_max": max(lengths),
         "response/truncated_frac": truncated / len(lengths),
         "reward/failures": failures,
         "rollout/rounds": rounds,
