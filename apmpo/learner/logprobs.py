@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from apmpo.learner.zero3 import full_shape, is_partitioned, partitioned
 
 KEEP_LOGPROBS_BYTES = 2**30  # the backward reuses the forward's log-softmax where all of a call's fit in this
-MATH_ATTENTION_BYTES = 2**30  # a bf16 CPU forward keeps its attention weights, rather than recompute them, within this
+MATH_ATTENTION_BYTES = 2**30  # a bf16 CPU forward keeps its attention weights (SDPA's math kernel) within this
 
 
 def token_logprobs(
@@ -103,14 +103,15 @@ def token_logprobs(
 
 
 def attention_kernel(model: nn.Module, input_ids: Tensor):
-    """SDPA's math kernel for a bf16 forward on CPU that will be differentiated, where every layer's attention
-    weights of the [N, L] rows fit MATH_ATTENTION_BYTES (the math kernel keeps them for the backward); else
-    PyTorch's choice. Why: PyTorch's flash-attention kernel for CPU is 16x slower in its bf16 backward than in its
-    forward (SmolLM2's update, 2 cores: 3.0 s of 10.0 s in the backward, 0.19 s in the forward; in fp32 0.46 s),
-    while the math kernel's batched matmuls run at the bf16 matmul rate (0.41 s, and the update 6.9 s)."""
+    """SDPA's math kernel for a bf16 forward on CPU where every layer's attention weights of the [N, L] rows fit
+    MATH_ATTENTION_BYTES (the math kernel keeps them for the backward); else PyTorch's choice. Why: PyTorch's
+    flash-attention kernel for CPU is 16x slower in its bf16 backward than in its forward (SmolLM2's update, 2
+    cores: 3.0 s of 10.0 s in the backward, 0.19 s in the forward; in fp32 0.46 s), while the math kernel's batched
+    matmuls run at the bf16 matmul rate (0.41 s, and the update 6.5 s). No-grad forwards take the same kernel, so
+    that old log-probs equal the update forward's bit for bit: every ratio starts at 1."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if input_ids.device.type != "cpu" or not torch.is_grad_enabled() or model.dtype != torch.bfloat16:
+    if input_ids.device.type != "cpu" or model.dtype != torch.bfloat16:
         return contextlib.nullcontext()
     config = model.config.get_text_config()
     rows, width = input_ids.shape
