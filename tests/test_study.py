@@ -187,14 +187,14 @@ def test_bad_method_or_override_fails_before_anything_runs(tmp_path):
 
 @pytest.mark.slow
 def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
-    """2 methods x 2 seeds of the quickstart, 3 steps each, validated after the last (so the best policy is the
+    """2 methods x 2 seeds of the quickstart, 2 steps each, validated after the last (so the best policy is the
     last one: one evaluation a run, to keep CI short); the report and the figure. Runs go seed by seed (apmpo
     and grpo on seed 0, then seed 1): the first call is killed in its third run's training, after its checkpoint
     of step 1; the second call finishes it and does not rerun the first two."""
     out = tmp_path / "study"
     argv = [sys.executable, "-m", "apmpo.study", "--config", "configs/quickstart.yaml", "--out", str(out),
-            "--methods", "apmpo,grpo", "--seeds", "0,1", "--set", "train.steps=3", "--set", "eval.every=3",
-            "--set", "rollout.num_servers=1", "--eval-n", "4", "--eval-limit", "30", "--save-every", "1"]
+            "--methods", "apmpo,grpo", "--seeds", "0,1", "--set", "train.steps=2", "--set", "eval.every=2",
+            "--set", "rollout.num_servers=1", "--eval-n", "4", "--eval-limit", "12", "--save-every", "1"]
     # As `nohup ... &` from a script starts it: SIGINT ignored (a training run then outlived its study), and stopped
     # with SIGTERM
     first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -225,10 +225,10 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
     for method in ("apmpo", "grpo"):
         for seed in (0, 1):
             result = json.loads((out / "runs" / method / f"seed_{seed}" / "result.json").read_text())
-            assert [s for s, _ in result["validation"]] == [3]
+            assert [s for s, _ in result["validation"]] == [2]
             last = result["eval"]["last"]
             assert result["eval"]["best"] == last and not (out / "runs" / method / f"seed_{seed}" / "eval" / "best").exists()
-            assert last["n"] == 4 and len(last["benchmarks"]["quickstart_val"]["correct"]) == 30
+            assert last["n"] == 4 and len(last["benchmarks"]["quickstart_val"]["correct"]) == 12
     built = json.loads((out / "report.json").read_text())
     vs = built["checkpoints"]["last"]["apmpo"]["vs_reference"]["pass@1"]["average"]
     assert vs["pairs"] == 2 and vs["low"] <= vs["diff"] <= vs["high"]
