@@ -16,6 +16,8 @@ Names relied on, checked against vllm 0.32.0's source:
 - `vllm.inputs.TokensPrompt`, `vllm.SamplingParams(seed=, logprobs=0, flat_logprobs=, stop_token_ids=, logit_bias=)`,
   `vllm.logprobs.FlatLogprobs` (`.logprobs`, `.start_indices`)                  inputs/, sampling_params.py, logprobs.py
 - `vllm.v1.engine.logprobs.LogprobsProcessor.from_new_request(tokenizer, request)` (built without a tokenizer)
+- CPU sampling: `vllm.v1.sample.ops.topk_topp_sampler.TopKTopPSampler.forward_cpu(self, logits, generators, k, p)`,
+  its `use_fp64_gumbel` and `logprobs_mode`, and `apply_top_k_top_p` (replaced: `sample_by_inverse_cdf`)
 - vision-language: `LLM(limit_mm_per_prompt={"image": k, "video": 0})`, `TokensPrompt(multi_modal_data={"image":
   [PIL images]})` with one image pad per image (vLLM expands it; an already expanded prompt is NOT recognised:
   it expands the first pad again), `vllm.ModelRegistry.register_model(name, cls)`   model_executor/models/
