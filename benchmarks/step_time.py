@@ -534,7 +534,6 @@ def main() -> None:
                   f"apmpo's)", flush=True)
             if size == "smollm2":  # the learner against a plain forward+backward, the step against the machine
                 sequences, width = task.prompts * task.group, prompt_tokens + round(a["length"])
-                dtype = "bf16" if "model.dtype=bf16" in sets else "fp32"
                 plain = plain_forward_backward(models[size], sequences, width, round(a["length"]),
                                                learner_threads(args.max_staleness), dtype)
                 print(f"  learner: update {a['update']:.2f} s + log-probs {a['logprob']:.2f} s; plain torch forward+"
