@@ -10,6 +10,8 @@ apmpo/rollout/server.py, and vLLM's for the n children of one prompt). A request
 
 Fields never overlap, so no two (run seed, step, round, prompt, sample) and no (eval seed, problem, sample) share a
 seed; every seed is below 2**63, so any engine that keeps seeds in a signed or unsigned 64-bit integer takes it.
+A CPU engine's generator (torch's mt19937) keeps only 32 bits of a seed, so there the server hands vLLM each
+prompt's seed hashed to 32 bits (apmpo.rollout.vllm_compat.engine_seed): distinct by chance, not by construction.
 The ranges are checked (ValueError naming the limit); `check_training` does it once for a whole run at config load.
 
     seed = train_request_seed(run_seed=0, step=12, round_=1, num_samples=512 * 8)  # client.generate(..., seed=seed)

@@ -91,8 +91,9 @@ def test_seed_makes_sampling_deterministic(client):
     a = client.generate(PROMPTS, Sampling(max_tokens=10), n=4, seed=123)
     b = client.generate(PROMPTS, Sampling(max_tokens=10), n=4, seed=123)
     c = client.generate(PROMPTS, Sampling(max_tokens=10), n=4, seed=124)
+    d = client.generate(PROMPTS, Sampling(max_tokens=10), n=4, seed=123 + (1 << 32))  # a CPU generator's 32 bits
     ids = lambda outs: [[s.token_ids for s in row] for row in outs]  # noqa: E731
-    assert ids(a) == ids(b) and ids(a) != ids(c)
+    assert ids(a) == ids(b) and ids(a) != ids(c) and ids(a) != ids(d)
     assert len({tuple(s) for s in ids(a)[0]}) > 1  # the n samples of one prompt differ
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
+from apmpo import seeding
 from apmpo.rollout import vllm_compat as compat
 from apmpo.rollout.sampling import Sampling
 
@@ -18,6 +19,7 @@ def test_importing_it_sets_spawned_workers_that_do_not_spin():
     # A fresh interpreter, neither variable set: the settings are made once, at import.
     probe = """
 import json, os
+from apmpo import seeding
 from apmpo.rollout import vllm_compat as compat
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.utils.import_utils import resolve_obj_by_qualname
@@ -161,3 +163,21 @@ def test_a_seeded_row_draws_from_its_own_generator_only():
     a, b = draw(0), draw(1)
     assert [row[1] for row in a] == [row[1] for row in b]  # the seeded row, step after step
     assert [row[0] for row in a] != [row[0] for row in b]  # the others follow the global generator
+
+
+def test_cpu_engine_seeds_that_differ_above_32_bits_draw_differently():
+    """torch's CPU generator keeps a seed's low 32 bits: eval seeds 0 and 1 of a problem, or training steps 0 and
+    16, drew the same numbers until engine_seed hashed them; a CUDA generator keeps all 64 and gets the seed as is."""
+    def first_draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    eval_0 = seeding.eval_request_seed(eval_seed=0, first_problem=3, n=16, num_problems=1)
+    eval_1 = seeding.eval_request_seed(eval_seed=1, first_problem=3, n=16, num_problems=1)
+    step_0, step_16 = (seeding.train_request_seed(run_seed=0, step=s, round_=0, num_samples=64) for s in (0, 16))
+    for a, b in [(eval_0, eval_1), (step_0, step_16)]:
+        assert first_draws(a) == first_draws(b)  # the collision, as torch has it
+        assert first_draws(compat.engine_seed(a, on_gpu=False)) != first_draws(compat.engine_seed(b, on_gpu=False))
+        assert compat.engine_seed(a, on_gpu=True) == a
+    # vLLM gives child j of a prompt seed + j: a prompt's 16 samples keep 16 distinct 32-bit seeds.
+    hashed = compat.engine_seed(eval_0, on_gpu=False)
+    assert len({(hashed + j) & 0xFFFFFFFF for j in range(16)}) == 16 and compat.engine_seed(None, on_gpu=False) is None

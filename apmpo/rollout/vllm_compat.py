@@ -377,11 +377,29 @@ def placeholder_token_ids(llm: vllm.LLM) -> list[int]:
     return placeholder_token_ids(llm.llm_engine.model_config.hf_config)
 
 
+MASK64 = (1 << 64) - 1
+
+
+def engine_seed(seed: int | None, on_gpu: bool) -> int | None:
+    """The seed vLLM gets for a prompt whose samples apmpo.seeding numbers `seed + j`. vLLM seeds a
+    `torch.Generator` with it; a CUDA generator keeps all 64 bits, but the CPU one (mt19937) keeps only the low 32,
+    so seeds that differ above them (two eval seeds; training steps 16 apart) would draw the same numbers. A CPU
+    engine gets the seed hashed (SplitMix64's finaliser) to 32 bits instead; vLLM still gives child j the seed + j,
+    so one prompt's samples stay apart, and two prompts' seed ranges meet only by chance (about 2n in 2**32)."""
+    if seed is None or on_gpu:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ z >> 30) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ z >> 27) * 0x94D049BB133111EB) & MASK64
+    return (z ^ z >> 31) & 0xFFFFFFFF
+
+
 def sampling_params(sampling: Sampling, *, n: int, seed: int | None,
                     never_sample: list[int] = ()) -> vllm.SamplingParams:
     return vllm.SamplingParams(
         n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
+        max_tokens=sampling.max_tokens, seed=engine_seed(seed, torch.cuda.is_available()),
+        stop_token_ids=list(sampling.stop_token_ids),
         logprobs=0,  # 0 = only the sampled token's log-prob
         flat_logprobs=True,  # a few lists per sample, not a dict and an object per token
         # Applied before the temperature and the processed log-probs, which so stay the sampler's own (the
