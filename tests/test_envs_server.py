@@ -8,7 +8,8 @@
 - python -m apmpo.eval --env: pass@k over episodes, resumable;
 - one short training run of configs/quickstart_multiturn.yaml: asynchronous, validation on episodes, an environment
   that fails on some samples (counted, training goes on), a checkpoint;
-- the shipped configs/quickstart_multiturn.yaml learns: from near chance to a reward above 0.8 in 100 steps.
+- the shipped configs/quickstart_multiturn.yaml learns: from near chance to a reward above 0.8 in 100 steps (0.94-0.96
+  over seeds 0-2 with its 16 samples a prompt; with 8, seeds 0 and 1 stalled near 0.5-0.6).
 The tests without a server: tests/test_envs.py.
 """
 import json
