@@ -16,6 +16,12 @@ It prints, per k, each mean change and its ratio to fp32's, and the share of wei
 well below 1 at the k of one rollout batch (4 optimiser steps in configs/smollm2_arith.yaml) means the bf16 learner's
 forward lags its own master weights. Per token it compares bf16's log-ratio log pi_k / pi_0 (what a PPO ratio sees)
 with fp32's: their correlation, and the mean |difference| over fp32's mean |log-ratio| (the rounding's share).
+
+Then (`--learner-prompts`, 0 to skip) the learner itself: launch/train.py's `train_on_batch` (DeepSpeed ZeRO-2,
+configs/smollm2_arith.yaml's loss and optimiser, 4 optimiser steps) runs once as an fp32 and once as a bf16 learner,
+from the same weights on the same batch (`--learner-prompts` x 4 completions sampled from the model, scored by the
+math reward; `--reward parity` for a random model). It prints how the two fp32 master-weight updates compare (norms, cosine, sign agreement) and how much
+each raises the batch's GRPO surrogate sum_i A_i mean_t log pi(y_it), measured by an fp32 forward.
 """
 from __future__ import annotations
 
@@ -64,6 +70,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--problems", type=int, default=8)
     parser.add_argument("--steps", default="1,4,16,64")
+    parser.add_argument("--learner-prompts", type=int, default=16, help="0: skip the learner comparison")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--reward", choices=["math", "parity"], default="math",
+                        help="parity: 1 where the first sampled token's id is even (a random model's smoke run)")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,6 +130,105 @@ def main() -> None:
               f"{changes['bf16']:>10.2e} ({changes['bf16'] / f:5.2f}x) | {moved / total:.1%} | "
               f"{corr:.2f}, {noise:.2f}")
     print(f"({time.perf_counter() - tick:.0f} s)")
+    if args.learner_prompts:
+        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # `model` was rounded above
+        compare_learners(path, tokenizer, fresh, args.learner_prompts, args.max_new_tokens, args.reward)
+
+
+def sampled_batch(model, tokenizer, prompts: int, group: int, max_new_tokens: int, reward: str):
+    """`prompts` arith_train problems x `group` completions sampled at temperature 0.7, as Rollouts with advantages,
+    and their rewards [prompts, group]."""
+    from apmpo.data import build_messages, load_records
+    from apmpo.learner.batching import Rollout
+    from apmpo.loss import group_advantages
+    from apmpo.rewards import math_reward
+
+    records = load_records("arith_train")[100 : 100 + prompts]  # not the problems of the sections above
+    texts = [tokenizer.apply_chat_template(build_messages(r), tokenize=False, add_generation_prompt=True)
+             for r in records for _ in range(group)]
+    tokenizer.padding_side = "left"
+    inputs = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=True, temperature=0.7, top_p=1.0, top_k=0,
+                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id or 0)
+    eos = tokenizer.eos_token_id
+    rollouts, rewards = [], torch.zeros(prompts, group)
+    for k, (row, attention) in enumerate(zip(out, inputs["attention_mask"])):
+        prompt = inputs["input_ids"][k][attention.bool()].tolist()
+        completion = row[inputs["input_ids"].shape[1]:].tolist()
+        if eos in completion:
+            completion = completion[: completion.index(eos) + 1]
+        rewards[k // group, k % group] = float(completion[0] % 2 == 0) if reward == "parity" else math_reward(
+            tokenizer.decode(completion, skip_special_tokens=True), records[k // group])
+        rollouts.append(Rollout(prompt, completion, [0.0] * len(completion), "stop", group=k // group))
+    advantages = group_advantages(rewards)
+    for k, rollout in enumerate(rollouts):
+        rollout.reward, rollout.advantage = float(rewards[k // group, k % group]), float(advantages[k // group, k % group])
+    return rollouts, rewards
+
+
+def surrogate(model, rollouts) -> float:
+    """sum_i A_i mean_t log pi(y_it) over the batch, fp32."""
+    total = 0.0
+    with torch.no_grad():
+        for r in (r for r in rollouts if r.advantage != 0):
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])
+            total += r.advantage * float(logp[len(r.prompt_ids) - 1 :].mean())
+    return total
+
+
+def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: int, reward: str,
+                     group: int = 4) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    import deepspeed
+
+    from apmpo.config import load_config
+    from apmpo.learner.engine import build_engine, init_distributed
+    from apmpo.loss import adaptive_params
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("apmpo_train", root / "launch" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    tick = time.perf_counter()
+    rollouts, rewards = sampled_batch(model, tokenizer, prompts, group, max_new_tokens, reward)
+    print(f"\nOne learner update (4 optimiser steps) on {prompts} x {group} sampled completions (mean reward "
+          f"{float(rewards.mean()):.3f}, {int((rewards.std(1) > 0).sum())} groups of {prompts} with a gradient; "
+          f"{time.perf_counter() - tick:.0f} s to sample):")
+    dist = init_distributed()
+    deltas = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = load_config(str(root / "configs" / "smollm2_arith.yaml"),
+                          [f"model.path={path}", f"model.dtype={dtype}", f"rollout.prompts_per_step={prompts}",
+                           f"train.mini_batch_size={max(1, prompts // 4)}", "optim.warmup_steps=0"])
+        learner = copy.deepcopy(model).to(torch.float32 if dtype == "fp32" else torch.bfloat16).train()
+        learner.config.use_cache = False
+        engine = build_engine(learner, cfg, dist)
+
+        def master() -> dict[str, torch.Tensor]:  # the fp32 weights the optimiser steps (bf16: not the module's)
+            return {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+
+        before = master()
+        metrics = train.train_on_batch(engine, None, rollouts, adaptive_params(rewards, cfg.loss), cfg, dist,
+                                       tokenizer.pad_token_id or 0, seed=0)
+        deltas[dtype] = {n: p - before[n] for n, p in master().items()}
+        print(f"  {dtype} learner: approx_kl {metrics['policy/approx_kl']:.2e}, clipped "
+              f"{metrics['loss/clip_frac_lower'] + metrics['loss/clip_frac_upper']:.2%} of tokens (its own forward)")
+    flat = {k: torch.cat([v.flatten().double() for v in d.values()]) for k, d in deltas.items()}
+    a, b = flat["fp32"], flat["bf16"]
+    print(f"  master-weight update: |bf16| / |fp32| {float(b.norm() / a.norm()):.3f}, cosine "
+          f"{float(a @ b / a.norm() / b.norm()):.3f}, same sign {float((a.sign() == b.sign())[a != 0].double().mean()):.1%}")
+    start = surrogate(model, rollouts)
+    for dtype, delta in deltas.items():
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            for n, p in moved.named_parameters():
+                p.add_(delta[n])
+        print(f"  surrogate raised by the {dtype} learner's update (fp32 forward): {surrogate(moved, rollouts) - start:+.4f}")
 
 
 if __name__ == "__main__":
