@@ -19,7 +19,6 @@ def test_importing_it_sets_spawned_workers_that_do_not_spin():
     # A fresh interpreter, neither variable set: the settings are made once, at import.
     probe = """
 import json, os
-from apmpo import seeding
 from apmpo.rollout import vllm_compat as compat
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.utils.import_utils import resolve_obj_by_qualname
