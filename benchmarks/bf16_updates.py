@@ -196,7 +196,8 @@ def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: 
     spec.loader.exec_module(train)
     tick = time.perf_counter()
     rollouts, rewards = sampled_batch(model, tokenizer, prompts, group, max_new_tokens, reward)
-    print(f"\nOne learner update (4 optimiser steps) on {prompts} x {group} sampled completions (mean reward "
+    mini_batch = max(1, prompts // 4)  # the config's 4 optimiser steps a batch, where there are 4 prompts or more
+    print(f"\nOne learner update ({prompts // mini_batch} optimiser steps) on {prompts} x {group} sampled completions (mean reward "
           f"{float(rewards.mean()):.3f}, {int((rewards.std(1) > 0).sum())} groups of {prompts} with a gradient; "
           f"{time.perf_counter() - tick:.0f} s to sample):")
     dist = init_distributed()
@@ -204,7 +205,7 @@ def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: 
     for dtype in ("fp32", "bf16"):
         cfg = load_config(str(root / "configs" / "smollm2_arith.yaml"),
                           [f"model.path={path}", f"model.dtype={dtype}", f"rollout.prompts_per_step={prompts}",
-                           f"train.mini_batch_size={max(1, prompts // 4)}", "optim.warmup_steps=0"])
+                           f"train.mini_batch_size={mini_batch}", "optim.warmup_steps=0"])
         learner = copy.deepcopy(model).to(torch.float32 if dtype == "fp32" else torch.bfloat16).train()
         learner.config.use_cache = False
         engine = build_engine(learner, cfg, dist)
