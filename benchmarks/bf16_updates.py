@@ -20,8 +20,9 @@ with fp32's: their correlation, and the mean |difference| over fp32's mean |log-
 Then (`--learner-prompts`, 0 to skip) the learner itself: launch/train.py's `train_on_batch` (DeepSpeed ZeRO-2,
 configs/smollm2_arith.yaml's loss and optimiser, 4 optimiser steps) runs once as an fp32 and once as a bf16 learner,
 from the same weights on the same batch (`--learner-prompts` x 4 completions sampled from the model, scored by the
-math reward; `--reward parity` for a random model). It prints how the two fp32 master-weight updates compare (norms, cosine, sign agreement) and how much
-each raises the batch's GRPO surrogate sum_i A_i mean_t log pi(y_it), measured by an fp32 forward.
+math reward; `--reward parity` for a random model). It prints how the two fp32 master-weight updates compare
+(norms, cosine, sign agreement) and how much each raises the batch's GRPO surrogate sum_i A_i mean_t log pi(y_it),
+measured by an fp32 forward.
 """
 from __future__ import annotations
 
@@ -153,30 +154,28 @@ def sampled_batch(model, tokenizer, prompts: int, group: int, max_new_tokens: in
         out = model.generate(**inputs, do_sample=True, temperature=0.7, top_p=1.0, top_k=0,
                              max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id or 0)
     eos = tokenizer.eos_token_id
-    rollouts, rewards = [], torch.zeros(prompts, group)
+    pairs, rewards = [], torch.zeros(prompts, group)
     for k, (row, attention) in enumerate(zip(out, inputs["attention_mask"])):
-        prompt = inputs["input_ids"][k][attention.bool()].tolist()
         completion = row[inputs["input_ids"].shape[1]:].tolist()
         if eos in completion:
             completion = completion[: completion.index(eos) + 1]
-        rewards[k // group, k % group] = float(completion[0] % 2 == 0) if reward == "parity" else math_reward(
+        pairs.append((inputs["input_ids"][k][attention.bool()].tolist(), completion))
+        rewards.view(-1)[k] = float(completion[0] % 2 == 0) if reward == "parity" else math_reward(
             tokenizer.decode(completion, skip_special_tokens=True), records[k // group])
-        rollouts.append(Rollout(prompt, completion, [0.0] * len(completion), "stop", group=k // group))
-    advantages = group_advantages(rewards)
-    for k, rollout in enumerate(rollouts):
-        rollout.reward, rollout.advantage = float(rewards[k // group, k % group]), float(advantages[k // group, k % group])
+    advantages = group_advantages(rewards).view(-1)
+    rollouts = [Rollout(prompt, completion, [0.0] * len(completion), "stop", group=k // group,
+                        reward=float(rewards.view(-1)[k]), advantage=float(advantages[k]))
+                for k, (prompt, completion) in enumerate(pairs)]
     return rollouts, rewards
 
 
 def surrogate(model, rollouts) -> float:
     """sum_i A_i mean_t log pi(y_it) over the batch, fp32."""
-    total = 0.0
-    with torch.no_grad():
-        for r in (r for r in rollouts if r.advantage != 0):
-            ids = torch.tensor([r.prompt_ids + r.completion_ids])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])
-            total += r.advantage * float(logp[len(r.prompt_ids) - 1 :].mean())
-    return total
+    def completion(r):  # answer_logprobs' batch: the ids, and a mask over the completion
+        return torch.tensor([r.prompt_ids + r.completion_ids]), torch.tensor(
+            [[0.0] * len(r.prompt_ids) + [1.0] * len(r.completion_ids)])
+
+    return sum(r.advantage * float(answer_logprobs(model, completion(r)).mean()) for r in rollouts if r.advantage)
 
 
 def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: int, reward: str,
@@ -197,9 +196,9 @@ def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: 
     tick = time.perf_counter()
     rollouts, rewards = sampled_batch(model, tokenizer, prompts, group, max_new_tokens, reward)
     mini_batch = max(1, prompts // 4)  # the config's 4 optimiser steps a batch, where there are 4 prompts or more
-    print(f"\nOne learner update ({prompts // mini_batch} optimiser steps) on {prompts} x {group} sampled completions (mean reward "
-          f"{float(rewards.mean()):.3f}, {int((rewards.std(1) > 0).sum())} groups of {prompts} with a gradient; "
-          f"{time.perf_counter() - tick:.0f} s to sample):")
+    print(f"\nOne learner update ({prompts // mini_batch} optimiser steps) on {prompts} x {group} sampled completions "
+          f"(mean reward {float(rewards.mean()):.3f}, {int((rewards.std(1) > 0).sum())} groups of {prompts} with a "
+          f"gradient; {time.perf_counter() - tick:.0f} s to sample):")
     dist = init_distributed()
     deltas = {}
     for dtype in ("fp32", "bf16"):
@@ -211,7 +210,8 @@ def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: 
         engine = build_engine(learner, cfg, dist)
 
         def master() -> dict[str, torch.Tensor]:  # the fp32 weights the optimiser steps (bf16: not the module's)
-            return {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+            return {n: deepspeed.utils.safe_get_full_fp32_param(p).clone()
+                    for n, p in engine.module.named_parameters()}
 
         before = master()
         metrics = train.train_on_batch(engine, None, rollouts, adaptive_params(rewards, cfg.loss), cfg, dist,
@@ -221,15 +221,17 @@ def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: 
               f"{metrics['loss/clip_frac_lower'] + metrics['loss/clip_frac_upper']:.2%} of tokens (its own forward)")
     flat = {k: torch.cat([v.flatten().double() for v in d.values()]) for k, d in deltas.items()}
     a, b = flat["fp32"], flat["bf16"]
+    same_sign = float((a.sign() == b.sign())[a != 0].double().mean())
     print(f"  master-weight update: |bf16| / |fp32| {float(b.norm() / a.norm()):.3f}, cosine "
-          f"{float(a @ b / a.norm() / b.norm()):.3f}, same sign {float((a.sign() == b.sign())[a != 0].double().mean()):.1%}")
+          f"{float(a @ b / a.norm() / b.norm()):.3f}, same sign {same_sign:.1%}")
     start = surrogate(model, rollouts)
     for dtype, delta in deltas.items():
         moved = copy.deepcopy(model)
         with torch.no_grad():
             for n, p in moved.named_parameters():
                 p.add_(delta[n])
-        print(f"  surrogate raised by the {dtype} learner's update (fp32 forward): {surrogate(moved, rollouts) - start:+.4f}")
+        raised = surrogate(moved, rollouts) - start
+        print(f"  surrogate raised by the {dtype} learner's update (fp32 forward): {raised:+.4f}")
 
 
 if __name__ == "__main__":
