@@ -236,6 +236,10 @@ class OptimConfig:
     warmup_steps: int = ranged(0, "[0, 2**31 - 1]")
     schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warm-up
     max_grad_norm: float = ranged(1.0, "[0, 1e6]")  # gradient clipping; 0: off (DeepSpeed's gradient_clipping)
+    # A bf16 learner's fp32 master weights start at a random point of each weight's bf16 rounding interval, its
+    # bf16 weights unchanged: a master loaded from bf16 sits on the grid, where every drift under half a bf16 step
+    # is lost to the forward, and RL's small noisy updates are such drifts (docs/precision.md). No effect in fp32.
+    dither_master: bool = True
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
     python tests/learner_setup_worker.py timeout TIMEOUT_S DELAY_S       # with RANK/WORLD_SIZE/MASTER_* set
     python tests/learner_setup_worker.py bf16_accumulation OUT.pt MICRO_BATCHES
+    python tests/learner_setup_worker.py dither OUT_PREFIX
 """
 import sys
 import time
@@ -55,5 +56,37 @@ def bf16_accumulation(out: str, micro_batches: str) -> None:
     close_distributed()
 
 
+def dither(out_prefix: str) -> None:
+    """bf16 engines with and without optim.dither_master: their bf16 weights before and after the engine is built,
+    their fp32 masters, and the weights after every master drifted up by a tenth of its bf16 interval and an
+    optimiser step (of lr 1e-12) copied them into the bf16 weights. Saved per rank."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    dist = init_distributed()
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    first = build_model(tokenizer).to(torch.bfloat16)
+    initial = first.state_dict()
+    saved = {"initial": {n: p.detach() for n, p in first.named_parameters()}}
+    for on in (True, False):
+        cfg = load_config(None, ["model.dtype=bf16", f"optim.dither_master={on}", "optim.lr=1e-12", "train.seed=3"])
+        model = build_model(tokenizer).to(torch.bfloat16)
+        model.load_state_dict(initial)
+        engine = build_engine(model.train(), cfg, dist)
+        built = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        masters = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+        for n, p in engine.module.named_parameters():
+            inf = torch.full_like(built[n], float("inf"))
+            interval = (torch.nextafter(built[n], inf).float() - torch.nextafter(built[n], -inf).float()) / 2
+            safe_set_full_fp32_param(p, masters[n] + interval / 10)
+        ids = torch.randint(3, len(tokenizer), (2, 16), generator=torch.Generator().manual_seed(1))
+        engine.backward(engine.module(input_ids=ids, labels=ids).loss)
+        engine.step()
+        drifted = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        saved["on" if on else "off"] = {"built": built, "masters": masters, "drifted": drifted}
+    torch.save(saved, f"{out_prefix}.{dist.rank}.pt")
+    close_distributed()
+
+
 if __name__ == "__main__":
-    {"timeout": timeout, "bf16_accumulation": bf16_accumulation}[sys.argv[1]](*sys.argv[2:])
+    {"timeout": timeout, "bf16_accumulation": bf16_accumulation, "dither": dither}[sys.argv[1]](*sys.argv[2:])

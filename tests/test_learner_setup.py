@@ -172,6 +172,36 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32(tmp_path):
     assert worst_bf16 > 1e-3, worst_bf16  # the tolerance tells the two apart (this test fails without the fix)
 
 
+def test_a_bf16_learner_dithers_its_master_weights_so_that_small_drifts_reach_the_forward(tmp_path):
+    # Two ZeRO-2 ranks, each holding half of the masters. Every master drifts up by a tenth of its bf16 interval:
+    # on the grid (no dither) no bf16 weight moves; dithered, a tenth of them moves, each one step up.
+    codes, outs = finish(start_ranks("dither", tmp_path / "dither"))
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    ranks = [torch.load(tmp_path / f"dither.{r}.pt") for r in (0, 1)]
+    initial, on, off = ranks[0]["initial"], ranks[0]["on"], ranks[0]["off"]
+    for name, weight in initial.items():
+        for run in (on, off):
+            assert torch.equal(run["built"][name], weight), name  # the forward's weights are untouched
+        assert torch.equal(on["masters"][name].bfloat16(), weight), name  # each master rounds to its weight
+        assert torch.equal(off["masters"][name], weight.float()), name  # on the grid
+        for r in (0, 1):  # every rank set its partition from the same noise
+            assert torch.equal(ranks[r]["on"]["masters"][name], on["masters"][name]), name
+    flat = {key: torch.cat([t.flatten() for t in tensors.values()]) for key, tensors in
+            [("initial", initial), ("masters", on["masters"]), ("on", on["drifted"]), ("off", off["drifted"])]}
+    grid = flat["initial"]
+    inf = torch.full_like(grid, float("inf"))
+    low = (grid.float() + torch.nextafter(grid, -inf).float()) / 2
+    high = (grid.float() + torch.nextafter(grid, inf).float()) / 2
+    where = (flat["masters"] - low) / (high - low)  # the master's place in its interval: uniform on [0, 1)
+    middle = (where > 0.25) & (where < 0.75)
+    assert abs(float(where.mean()) - 0.5) < 0.01 and abs(float(middle.float().mean()) - 0.5) < 0.01
+    nonzero = grid != 0  # (zeros, whose interval is tiny, are moved by the step of lr 1e-12 itself)
+    assert torch.equal(flat["off"][nonzero], grid[nonzero])
+    moved = (flat["on"] != grid) & nonzero
+    assert abs(float(moved[nonzero].float().mean()) - 0.1) < 0.01, float(moved[nonzero].float().mean())
+    assert torch.equal(flat["on"][moved], torch.nextafter(grid, inf)[moved])  # one step, up
+
+
 @pytest.mark.parametrize("devices, servers, env, ok", [
     ("4;5;6;7", 4, {"LOCAL_SIZE": "4"}, True),  # 8 GPUs: 4 learners, 4 one-GPU servers
     ("4,5;6,7", 2, {"LOCAL_SIZE": "4"}, True),  # 2 servers with TP 2

@@ -208,7 +208,38 @@ def build_engine(model, cfg: Config, dist: Dist):
         config=deepspeed_config(cfg, dist),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
     )
+    if cfg.model.dtype == "bf16" and cfg.optim.dither_master:
+        dither_master_weights(engine.module, cfg.train.seed)
     return engine
+
+
+def dither_master_weights(module: torch.nn.Module, seed: int) -> None:
+    """Moves each trainable weight's fp32 master (DeepSpeed's) to a uniformly random point of the interval that
+    rounds to its bf16 value, which stays as it was. Why: the forward computes with round(master), and a master
+    made from bf16 weights sits on the grid, so a weight's forward value moves only once its master has drifted by
+    half a bf16 step (2^-9 of the weight), and Adam's updates of lr 1e-5 in noisy directions mostly do not get
+    there. Dithered, a drift d moves the forward value by a whole step with probability d / step: the forward sees
+    the update in expectation. On SmolLM2 after 24 optimiser steps (docs/precision.md) 7% of the bf16 weights had
+    moved and the forward saw 0.48x of what the master gained on held-out rollouts; dithered, 10% and 0.72x.
+    A resumed run's checkpoint then replaces these masters with its own. The same noise on every rank: each
+    sets its own partition from the same whole tensor."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    generator = None
+    for param in module.parameters():
+        master = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if master is None:
+            continue
+        if generator is None:
+            generator = torch.Generator(master.device).manual_seed(seed)
+        grid = master.bfloat16()
+        inf = torch.full_like(grid, float("inf"))
+        # The interval that rounds to grid: halfway to each bf16 neighbour (exact in fp32).
+        low = (grid.float() + torch.nextafter(grid, -inf).float()) / 2
+        high = (grid.float() + torch.nextafter(grid, inf).float()) / 2
+        dithered = low + torch.rand(master.shape, generator=generator, device=master.device) * (high - low)
+        # At the very ends a tie may round to the neighbour: that weight keeps its value.
+        safe_set_full_fp32_param(param, torch.where(dithered.bfloat16() == grid, dithered, grid.float()))
 
 
 def zero_extras(cfg: Config, dist: Dist) -> dict:
