@@ -23,14 +23,27 @@ from the same weights on the same batch (`--learner-prompts` x 4 completions sam
 math reward; `--reward parity` for a random model). It prints how the two fp32 master-weight updates compare
 (norms, cosine, sign agreement) and how much each raises the batch's GRPO surrogate sum_i A_i mean_t log pi(y_it),
 measured by an fp32 forward.
+
+Then (`--learner-batches N`) the learner over many updates: N batches of `--learner-prompts` x 4 completions go
+through an fp32 learner, a bf16 learner whose fp32 masters start on the bf16 grid (`optim.dither_master=false`) and a
+dithered one (the default), the same batches in the same order. Every second batch it prints the GRPO surrogate each
+has gained on held-out rollouts, by the learner's own forward, by fp32 compute on its weights (for bf16, the rounding
+of its weights alone) and by fp32 compute on its fp32 masters (what the optimiser holds), with the share of bf16
+weights that have moved. `--reward finished` (the math reward + 1 for ending within the budget) gives most groups a
+gradient, as the length SmolLM2's runs learn first does:
+
+    python benchmarks/bf16_updates.py --learner-prompts 8 --learner-batches 6 --max-new-tokens 96 --reward finished
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def answer_logprobs(model, batch, fp32_head: bool = False) -> torch.Tensor:
@@ -73,8 +86,11 @@ def main() -> None:
     parser.add_argument("--steps", default="1,4,16,64")
     parser.add_argument("--learner-prompts", type=int, default=16, help="0: skip the learner comparison")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--reward", choices=["math", "parity"], default="math",
-                        help="parity: 1 where the first sampled token's id is even (a random model's smoke run)")
+    parser.add_argument("--reward", choices=["math", "finished", "parity"], default="math",
+                        help="finished: math + 1 for ending within --max-new-tokens; parity: 1 where the first "
+                             "sampled token's id is even (a random model's smoke run)")
+    parser.add_argument("--learner-batches", type=int, default=0,
+                        help="then this many batches through each learner: fp32, bf16 on the grid, bf16 dithered")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,6 +150,10 @@ def main() -> None:
     if args.learner_prompts:
         fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # `model` was rounded above
         compare_learners(path, tokenizer, fresh, args.learner_prompts, args.max_new_tokens, args.reward)
+    if args.learner_batches:
+        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        compare_over_batches(path, tokenizer, fresh, args.learner_prompts, args.learner_batches, args.max_new_tokens,
+                             args.reward)
 
 
 def sampled_batch(model, tokenizer, prompts: int, group: int, max_new_tokens: int, reward: str):
@@ -160,8 +180,11 @@ def sampled_batch(model, tokenizer, prompts: int, group: int, max_new_tokens: in
         if eos in completion:
             completion = completion[: completion.index(eos) + 1]
         pairs.append((inputs["input_ids"][k][attention.bool()].tolist(), completion))
-        rewards.view(-1)[k] = float(completion[0] % 2 == 0) if reward == "parity" else math_reward(
-            tokenizer.decode(completion, skip_special_tokens=True), records[k // group])
+        if reward == "parity":
+            rewards.view(-1)[k] = float(completion[0] % 2 == 0)
+        else:  # "finished" adds 1 for ending within the budget: what SmolLM2's runs learn first
+            rewards.view(-1)[k] = math_reward(tokenizer.decode(completion, skip_special_tokens=True),
+                                              records[k // group]) + (reward == "finished") * (completion[-1] == eos)
     advantages = group_advantages(rewards).view(-1)
     rollouts = [Rollout(prompt, completion, [0.0] * len(completion), "stop", group=k // group,
                         reward=float(rewards.view(-1)[k]), advantage=float(advantages[k]))
@@ -178,21 +201,25 @@ def surrogate(model, rollouts) -> float:
     return sum(r.advantage * float(answer_logprobs(model, completion(r)).mean()) for r in rollouts if r.advantage)
 
 
+def load_train():
+    """launch/train.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("apmpo_train", ROOT / "launch" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    return train
+
+
 def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: int, reward: str,
                      group: int = 4) -> None:
-    import importlib.util
-    from pathlib import Path
-
     import deepspeed
 
     from apmpo.config import load_config
     from apmpo.learner.engine import build_engine, init_distributed
     from apmpo.loss import adaptive_params
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("apmpo_train", root / "launch" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_train()
     tick = time.perf_counter()
     rollouts, rewards = sampled_batch(model, tokenizer, prompts, group, max_new_tokens, reward)
     mini_batch = max(1, prompts // 4)  # the config's 4 optimiser steps a batch, where there are 4 prompts or more
@@ -202,7 +229,7 @@ def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: 
     dist = init_distributed()
     deltas = {}
     for dtype in ("fp32", "bf16"):
-        cfg = load_config(str(root / "configs" / "smollm2_arith.yaml"),
+        cfg = load_config(str(ROOT / "configs" / "smollm2_arith.yaml"),
                           [f"model.path={path}", f"model.dtype={dtype}", f"rollout.prompts_per_step={prompts}",
                            f"train.mini_batch_size={mini_batch}", "optim.warmup_steps=0"])
         learner = copy.deepcopy(model).to(torch.float32 if dtype == "fp32" else torch.bfloat16).train()
@@ -232,6 +259,65 @@ def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: 
                 p.add_(delta[n])
         raised = surrogate(moved, rollouts) - start
         print(f"  surrogate raised by the {dtype} learner's update (fp32 forward): {raised:+.4f}")
+
+
+def compare_over_batches(path: str, tokenizer, model, prompts: int, batches: int, max_new_tokens: int, reward: str,
+                         group: int = 4) -> None:
+    """`batches` rollout batches through each learner in turn, the same ones in the same order: fp32, bf16 with its
+    fp32 masters on the bf16 grid (optim.dither_master=false), bf16 dithered. Every second batch, the GRPO surrogate
+    each has gained on held-out rollouts (two more batches) three ways: by its own forward, by fp32 compute on its
+    weights (for bf16: the rounding alone), and by fp32 compute on its fp32 masters (what the optimiser holds)."""
+    import dataclasses
+
+    import deepspeed
+
+    from apmpo.config import load_config
+    from apmpo.learner.engine import build_engine, init_distributed
+    from apmpo.loss import adaptive_params
+
+    train = load_train()
+    tick = time.perf_counter()
+    sampler = copy.deepcopy(model).to(torch.bfloat16)  # only the data: bf16 samples as fast, and the same for all
+    rollouts, rewards = sampled_batch(sampler, tokenizer, prompts * (batches + 2), group, max_new_tokens, reward)
+    size = prompts * group
+    data = [([dataclasses.replace(r, group=k // group) for k, r in enumerate(rollouts[b * size:(b + 1) * size])],
+             rewards[b * prompts:(b + 1) * prompts]) for b in range(batches)]
+    held = rollouts[batches * size:]
+    mini_batch = max(1, prompts // 4)
+    print(f"\n{batches} batches of {prompts} x {group} completions ({batches * prompts // mini_batch} optimiser steps; "
+          f"mean reward {[round(float(r.mean()), 2) for _, r in data]}; {time.perf_counter() - tick:.0f} s to "
+          f"sample), through each learner in turn. The GRPO surrogate gained on {len(held) // group} held-out "
+          "prompts x 4, by the learner's own forward / by fp32 compute on its weights / on its fp32 masters:")
+    start = {"fp32": surrogate(model, held), "bf16": surrogate(sampler, held),
+             "rounded": surrogate(copy.deepcopy(sampler).float(), held)}
+    dist = init_distributed()
+    for name, dtype, dither in (("fp32", "fp32", False), ("bf16, masters on the grid", "bf16", False),
+                                ("bf16, dithered masters", "bf16", True)):
+        cfg = load_config(str(ROOT / "configs" / "smollm2_arith.yaml"),
+                          [f"model.path={path}", f"model.dtype={dtype}", f"optim.dither_master={dither}",
+                           f"rollout.prompts_per_step={prompts}", f"train.mini_batch_size={mini_batch}"])
+        learner = copy.deepcopy(model).to(torch.float32 if dtype == "fp32" else torch.bfloat16).train()
+        learner.config.use_cache = False
+        engine = build_engine(learner, cfg, dist)
+        cells = []
+        for b, (batch, batch_rewards) in enumerate(data):
+            train.train_on_batch(engine, None, batch, adaptive_params(batch_rewards, cfg.loss), cfg, dist,
+                                 tokenizer.pad_token_id or 0, seed=b)
+            if b % 2 == 0 and b + 1 < batches:
+                continue
+            own = surrogate(engine.module.eval(), held) - start[dtype]
+            weights = copy.deepcopy(engine.module).float()
+            rounded = surrogate(weights, held) - start["fp32" if dtype == "fp32" else "rounded"]
+            with torch.no_grad():
+                for p, q in zip(weights.parameters(), engine.module.parameters()):
+                    p.copy_(deepspeed.utils.safe_get_full_fp32_param(q))
+            masters = surrogate(weights, held) - start["fp32"]
+            engine.module.train()
+            cells.append(f"{b + 1}: {own:+.3f} / {rounded:+.3f} / {masters:+.3f}")
+            if dtype == "bf16":  # the share of bf16 weights that have moved
+                moved = sum(int((p != q).sum()) for p, q in zip(engine.module.parameters(), sampler.parameters()))
+                cells[-1] += f" ({moved / sum(p.numel() for p in sampler.parameters()):.1%} moved)"
+        print(f"  {name:<26} " + " | ".join(cells))
 
 
 if __name__ == "__main__":

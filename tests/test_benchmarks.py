@@ -29,9 +29,10 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
                        r"chunked / naive: peak \d+\.\d+, extra \d+\.\d+"),
     "reward_throughput": ([], rf"gold-vs-wrong .* {TIMES}"),
     "bf16_updates": (["--model", TINY, "--problems", "2", "--steps", "1,4", "--learner-prompts", "2",
-                      "--max-new-tokens", "8", "--reward", "parity"],
+                      "--learner-batches", "2", "--max-new-tokens", "8", "--reward", "parity"],
                      r"\n +4 \| .* \( *-?\d+\.\d+x\) \| .* \( *-?\d+\.\d+x\) \| \d+\.\d%[\s\S]*"
-                     r"surrogate raised by the bf16 learner's update \(fp32 forward\): [+-]\d+\.\d+"),
+                     r"surrogate raised by the bf16 learner's update \(fp32 forward\): [+-]\d+\.\d+[\s\S]*"
+                     r"bf16, dithered masters +2: [+-]\d\.\d+ / [+-]\d\.\d+ / [+-]\d\.\d+ \(\d+\.\d% moved\)"),
     "generation": (SMALL_SERVE, rf"ratio server/in-process: {PERCENT}"),
     "weight_sync": (["--layers", "1", "--vocab", "512", "--repeats", "1"], rf"ratio push/raw: {PERCENT}"),
     "step_time": (["--tiny"], rf"ratio apmpo/baseline speed: {TIMES}"),
