@@ -129,7 +129,10 @@ class LoraConfig:
 class ModelConfig:
     # HF hub id, local directory, "quickstart" (the CPU quickstart's), or a name of apmpo.models (fetched)
     path: str = path_field("Qwen/Qwen2.5-Math-1.5B-Instruct")
-    dtype: Literal["bf16", "fp32"] = "bf16"  # training dtype of the learner (bf16 on GPU; fp32 or bf16 on CPU)
+    # The learner's dtype. auto: bf16 where the hardware computes it natively (a GPU; a CPU with AMX or AVX512-BF16,
+    # where bf16 matmuls run about 4x fp32's), else fp32. Resolved on load, so a run's config.yaml holds what ran;
+    # ranks on several CPU hosts each resolve it on theirs.
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     # Recompute activations in the backward. None: on when the learner runs on a GPU, where the default
     # micro_batch_tokens (16384) of a 1.5B model does not fit in 80 GB without it; off on CPU (small models, where
     # the recomputation is only time).
@@ -662,8 +665,24 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             budget = min(budget * d.get("max_turns", DataConfig.max_turns),
                          d.get("max_episode_tokens", DataConfig.max_episode_tokens))
         data["loss"] = {**loss, "token_budget": budget}
-    config = _build(Config, data, prefix="", source=source)
-    return config.validate(check_sources)
+    config = _build(Config, data, prefix="", source=source).validate(check_sources)
+    if config.model.dtype == "auto":
+        config.model.dtype = "bf16" if native_bf16() else "fp32"
+    return config
+
+
+def native_bf16() -> str | None:
+    """What computes bf16 natively here ("a GPU", or the CPU flag: AMX or AVX512-BF16), else None: a CPU without
+    them emulates bf16 matmuls, slower than fp32."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "a GPU"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return None
+    return next((f"this CPU's {flag}" for flag in ("amx_bf16", "avx512_bf16") if flag in flags), None)
 
 
 def save_config(config: Config, path: str | Path) -> None:

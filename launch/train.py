@@ -33,7 +33,7 @@ import torch
 import torch.distributed as torch_dist
 from transformers import AutoTokenizer
 
-from apmpo.config import Config, ConfigError, load_config
+from apmpo.config import Config, ConfigError, load_config, native_bf16
 from apmpo.learner import lora
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
@@ -76,7 +76,9 @@ def main(cfg: Config, resume: str) -> None:
         start_step = trainer_state.get("step", 0)
         weights = WholeWeights(engine.module, engine, dist.rank, dist.world_size)  # for the push and save_best
         if dist.is_main:
-            print(f"[apmpo] run {cfg.run_dir}, {dist.world_size} learner rank(s) on {dist.device}, "
+            native = native_bf16()
+            print(f"[apmpo] run {cfg.run_dir}, {dist.world_size} learner rank(s) on {dist.device} in {cfg.model.dtype}"
+                  f"{f' ({native} computes bf16)' if native else ' (bf16 would be emulated here)'}, "
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)
             driver.connect(engine, weights, tokenizer, vision, trainer_state)  # servers ready; the stream starts
         weights.settle()  # ZeRO-3: the other ranks join the gathers of rank 0's reads until here

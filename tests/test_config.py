@@ -373,3 +373,22 @@ def test_the_cli_refuses_bad_values_before_anything_starts(tmp_path):
         assert done.returncode == 2 and done.stderr.startswith("apmpo: bad config: "), (override, done.stderr)
         assert message in done.stderr and "Traceback" not in done.stderr, (override, done.stderr)
     assert list(tmp_path.iterdir()) == []  # nothing was written, no run directory
+
+
+def test_auto_dtype_is_bf16_where_the_hardware_computes_it(monkeypatch):
+    import apmpo.config
+
+    monkeypatch.setattr(apmpo.config, "native_bf16", lambda: "this CPU's avx512_bf16")
+    assert load_config(None).model.dtype == "bf16"
+    assert load_config(None, ["model.dtype=fp32"]).model.dtype == "fp32"
+    monkeypatch.setattr(apmpo.config, "native_bf16", lambda: None)
+    assert load_config(None).model.dtype == "fp32"  # bf16 would be emulated: slower than fp32
+    assert load_config(None, ["model.dtype=bf16"]).model.dtype == "bf16"
+
+
+def test_native_bf16_reads_this_machines_cpu_flags():
+    from apmpo.config import native_bf16
+
+    if torch.cuda.is_available() or "avx512_bf16" not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip("for a CPU with AVX512-BF16, as this project's machines (without AMX)")
+    assert native_bf16() == "this CPU's avx512_bf16"
