@@ -59,7 +59,8 @@ def bf16_accumulation(out: str, micro_batches: str) -> None:
 def dither(out_prefix: str) -> None:
     """bf16 engines with and without optim.dither_master: their bf16 weights before and after the engine is built,
     their fp32 masters, and the weights after every master drifted up by a tenth of its bf16 interval and an
-    optimiser step (of lr 1e-12) copied them into the bf16 weights. Saved per rank."""
+    optimiser step (of lr 1e-12) copied them into the bf16 weights; and the masters of a dithered ZeRO-3 engine.
+    Saved per rank."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
     dist = init_distributed()
@@ -84,6 +85,11 @@ def dither(out_prefix: str) -> None:
         engine.step()
         drifted = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         saved["on" if on else "off"] = {"built": built, "masters": masters, "drifted": drifted}
+    cfg = load_config(None, ["model.dtype=bf16", "train.zero_stage=3", "train.seed=3"])  # ZeRO-3's partitions
+    model = build_model(tokenizer).to(torch.bfloat16)
+    model.load_state_dict(initial)
+    engine = build_engine(model.train(), cfg, dist)
+    saved["zero3"] = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
     torch.save(saved, f"{out_prefix}.{dist.rank}.pt")
     close_distributed()
 

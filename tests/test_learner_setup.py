@@ -186,6 +186,7 @@ def test_a_bf16_learner_dithers_its_master_weights_so_that_small_drifts_reach_th
         assert torch.equal(off["masters"][name], weight.float()), name  # on the grid
         for r in (0, 1):  # every rank set its partition from the same noise
             assert torch.equal(ranks[r]["on"]["masters"][name], on["masters"][name]), name
+        assert torch.equal(ranks[0]["zero3"][name], on["masters"][name]), name  # ZeRO-3's partitions alike
     flat = {key: torch.cat([t.flatten() for t in tensors.values()]) for key, tensors in
             [("initial", initial), ("masters", on["masters"]), ("on", on["drifted"]), ("off", off["drifted"])]}
     grid = flat["initial"]
