@@ -130,8 +130,8 @@ class ModelConfig:
     # HF hub id, local directory, "quickstart" (the CPU quickstart's), or a name of apmpo.models (fetched)
     path: str = path_field("Qwen/Qwen2.5-Math-1.5B-Instruct")
     # The learner's dtype. auto: bf16 where the hardware computes it natively (a GPU; a CPU with AMX or AVX512-BF16,
-    # where bf16 matmuls run about 4x fp32's), else fp32. Resolved on load, so a run's config.yaml holds what ran;
-    # ranks on several CPU hosts each resolve it on theirs.
+    # where bf16 matmuls run about 4x fp32's), else fp32. Resolved when the config is built, so a run's config.yaml
+    # holds what ran; ranks on several CPU hosts each resolve it on theirs.
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     # Recompute activations in the backward. None: on when the learner runs on a GPU, where the default
     # micro_batch_tokens (16384) of a 1.5B model does not fit in 80 GB without it; off on CPU (small models, where
@@ -142,6 +142,10 @@ class ModelConfig:
     # encoder, and freezing drops its gradients and Adam state (~8 GB at 3B scale).
     freeze_vision_tower: bool = True
     lora: LoraConfig | None = None  # None: full fine-tuning
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":  # resolved once, here: nothing downstream sees "auto"
+            self.dtype = "bf16" if native_bf16() else "fp32"
 
 
 @dataclass
@@ -665,10 +669,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             budget = min(budget * d.get("max_turns", DataConfig.max_turns),
                          d.get("max_episode_tokens", DataConfig.max_episode_tokens))
         data["loss"] = {**loss, "token_budget": budget}
-    config = _build(Config, data, prefix="", source=source).validate(check_sources)
-    if config.model.dtype == "auto":
-        config.model.dtype = "bf16" if native_bf16() else "fp32"
-    return config
+    config = _build(Config, data, prefix="", source=source)
+    return config.validate(check_sources)
 
 
 def native_bf16() -> str | None:
