@@ -306,17 +306,19 @@ def compare_over_batches(path: str, tokenizer, model, prompts: int, batches: int
             if b % 2 == 0 and b + 1 < batches:
                 continue
             own = surrogate(engine.module.eval(), held) - start[dtype]
+            engine.module.train()
+            if dtype == "fp32":  # its weights are its masters: all three views are its own forward
+                cells.append(f"{b + 1}: {own:+.3f} / {own:+.3f} / {own:+.3f}")
+                continue
             weights = copy.deepcopy(engine.module).float()
-            rounded = surrogate(weights, held) - start["fp32" if dtype == "fp32" else "rounded"]
+            rounded = surrogate(weights, held) - start["rounded"]
             with torch.no_grad():
                 for p, q in zip(weights.parameters(), engine.module.parameters()):
                     p.copy_(deepspeed.utils.safe_get_full_fp32_param(q))
             masters = surrogate(weights, held) - start["fp32"]
-            engine.module.train()
-            cells.append(f"{b + 1}: {own:+.3f} / {rounded:+.3f} / {masters:+.3f}")
-            if dtype == "bf16":  # the share of bf16 weights that have moved
-                moved = sum(int((p != q).sum()) for p, q in zip(engine.module.parameters(), sampler.parameters()))
-                cells[-1] += f" ({moved / sum(p.numel() for p in sampler.parameters()):.1%} moved)"
+            moved = sum(int((p != q).sum()) for p, q in zip(engine.module.parameters(), sampler.parameters()))
+            cells.append(f"{b + 1}: {own:+.3f} / {rounded:+.3f} / {masters:+.3f} "
+                         f"({moved / sum(p.numel() for p in sampler.parameters()):.1%} moved)")
         print(f"  {name:<26} " + " | ".join(cells))
 
 
