@@ -233,13 +233,13 @@ def dither_master_weights(module: torch.nn.Module, seed: int) -> None:
         if generator is None:
             generator = torch.Generator(master.device).manual_seed(seed)
         grid = master.bfloat16()
-        inf = torch.full_like(grid, float("inf"))
+        inf, exact = torch.full_like(grid, float("inf")), grid.float()
         # The interval that rounds to grid: halfway to each bf16 neighbour (exact in fp32).
-        low = (grid.float() + torch.nextafter(grid, -inf).float()) / 2
-        high = (grid.float() + torch.nextafter(grid, inf).float()) / 2
+        low = (exact + torch.nextafter(grid, -inf).float()) / 2
+        high = (exact + torch.nextafter(grid, inf).float()) / 2
         dithered = low + torch.rand(master.shape, generator=generator, device=master.device) * (high - low)
         # At the very ends a tie may round to the neighbour: that weight keeps its value.
-        safe_set_full_fp32_param(param, torch.where(dithered.bfloat16() == grid, dithered, grid.float()))
+        safe_set_full_fp32_param(param, torch.where(dithered.bfloat16() == grid, dithered, exact))
 
 
 def zero_extras(cfg: Config, dist: Dist) -> dict:
