@@ -430,18 +430,19 @@ def measured_rates(threads: int) -> dict[str, float]:
 
 
 def step_limit(model_path: Path, task: Task, prompt_tokens: int, length_mean: float, length_max: int,
-               rates: dict[str, float], dtype_bytes: int = 2) -> dict[str, float]:
-    """Seconds below which a step cannot go on this machine, in bf16: the update's forward and backward (3x the
-    forward's FLOPs; each prompt once per group, as the learner runs it; the LM head over completion tokens only)
-    and the prefill (each prompt once: the engine's prefix cache) at the bf16 matmul rate, and each decode step at
-    that rate or its weight and KV-cache bytes at the bandwidth, whichever is slower. Attention's own FLOPs (about
-    2% here) are left out: the limit is, if anything, low."""
+               rates: dict[str, float], precision: str = "bf16") -> dict[str, float]:
+    """Seconds below which a step cannot go on this machine in `precision` (bf16: the machine's limit; fp32: that
+    of a run that keeps fp32): the update's forward and backward (3x the forward's FLOPs; each prompt once per
+    group, as the learner runs it; the LM head over completion tokens only) and the prefill (each prompt once: the
+    engine's prefix cache) at the precision's matmul rate, and each decode step at that rate or its weight and
+    KV-cache bytes at the bandwidth, whichever is slower. Attention's own FLOPs (about 2% here) are left out: the
+    limit is, if anything, low."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
     backbone = 2 * layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * config["intermediate_size"])
     head = 2 * vocab * hidden  # FLOPs per token
-    rate = rates["bf16"]
+    rate, dtype_bytes = rates[precision], {"bf16": 2, "fp32": 4}[precision]
     rows = task.prompts * task.group
     prompt, completion = task.prompts * prompt_tokens, rows * length_mean
     update = 3 * (backbone * (prompt + completion) + head * completion) / rate
@@ -510,22 +511,22 @@ def main() -> None:
             prompt_tokens = _prompt_tokens(models[size], size_prompts)
             sets = ("rollout.num_servers=1", "rollout.enforce_eager=false", "eval.every=0", *sets)  # apmpo's defaults
         for tokens in args.tokens:
-            ours, theirs = [], {dtype: [] for dtype in args.baseline_dtypes}
+            ours, theirs = [], {baseline_dtype: [] for baseline_dtype in args.baseline_dtypes}
             for r in range(args.rounds):
                 ours.append(run_apmpo(models[size], task, tokens, args.steps, args.warmup,
                                       root / f"{size}_{tokens}_{r}", args.max_staleness, size_prompts, prompt_tokens,
                                       sets))
-                for dtype in args.baseline_dtypes:
-                    theirs[dtype].append(run_baseline(models[size], size, tokens, args.steps, args.warmup,
-                                                      root / f"{size}_{tokens}_{r}_{dtype}", threads, size_prompts,
-                                                      dtype))
+                for baseline_dtype in args.baseline_dtypes:
+                    theirs[baseline_dtype].append(run_baseline(
+                        models[size], size, tokens, args.steps, args.warmup,
+                        root / f"{size}_{tokens}_{r}_{baseline_dtype}", threads, size_prompts, baseline_dtype))
             a = {k: statistics.median(run[k] for run in ours) for k in ours[0]}
             phases = ", ".join(f"{p} {a[p]:.3f}" for p in PHASES)
             print(f"\n{size} model, {tokens} new tokens:", flush=True)
             print(f"  apmpo:    {a['step']:.3f} s/step  (length {a['length']:.1f}; start-up {a['startup']:.0f} s; peak "
                   f"RSS learner {a['learner_rss']:.2f} GB, server {a['server_rss']:.2f} GB)  {phases}")
             fastest = None
-            for dtype, runs in theirs.items():
+            for runs in theirs.values():
                 b = {k: statistics.median(run[k] for run in runs) for k in ("step", "length", "startup", "rss")}
                 print(f"  baseline: {b['step']:.3f} s/step  (length {b['length']:.1f}; start-up {b['startup']:.0f} s; "
                       f"peak RSS {b['rss']:.2f} GB)  {runs[0]['name']}")
@@ -549,6 +550,12 @@ def main() -> None:
                       f"it (update {a['update'] / limit['update']:.2f}x, generate "
                       f"{a['generate'] / limit['generate']:.2f}x); the fastest baseline at "
                       f"{fastest / limit['step']:.2f}x", flush=True)
+                if dtype == "fp32":  # how far it is from what fp32 itself allows
+                    own = step_limit(models[size], task, prompt_tokens, a["length"], int(a["length_max"]), rates,
+                                     "fp32")
+                    print(f"  in fp32 (its matmul rate, 4-byte weights) the limit is {own['step']:.2f} s (update "
+                          f"{own['update']:.2f}, generate {own['generate']:.2f}): apmpo at "
+                          f"{a['step'] / own['step']:.2f}x it", flush=True)
     print(f"load {os.getloadavg()[0]:.1f} at the end")
 
 
