@@ -57,7 +57,7 @@ def test_paired_bootstrap_hand_cases():
     ones, zeros = np.ones((2, 5)), np.zeros((2, 5))
     # a constant difference of 1 in every problem and seed: every resample is exactly 1
     assert report.paired_bootstrap([ones], [zeros], resamples=50) == {
-        "diff": 1.0, "low": 1.0, "high": 1.0, "pairs": 2, "significant": True}
+        "diff": 1.0, "low": 1.0, "high": 1.0, "pairs": 2, "ahead": 2, "significant": True}
     # the same scores: no difference, not significant
     same = report.paired_bootstrap([ones * 0.5], [ones * 0.5], resamples=50)
     assert same["diff"] == 0 and same["low"] == same["high"] == 0 and not same["significant"]
@@ -66,6 +66,12 @@ def test_paired_bootstrap_hand_cases():
     m, r = np.array([[0.9] * 4, [0.1] * 4]), np.array([[0.8] * 4, [0.0] * 4])
     paired = report.paired_bootstrap([m], [r], resamples=200)
     assert paired["low"] == pytest.approx(0.1) and paired["high"] == pytest.approx(0.1)
+    # seeds ahead: per seed, the mean difference over benchmarks (here +0.5 and -0.25 on benchmark a, +0.1 and
+    # +0.1 on b: seed 0 won, seed 1 lost, seed 2 tied at 0: one pair of three ahead)
+    a_m, a_r = np.array([[1.0, 1.0], [0.0, 0.5], [0.5, 0.5]]), np.array([[0.5, 0.5], [0.25, 0.75], [0.5, 0.5]])
+    b_m, b_r = np.array([[0.2], [0.2], [0.0]]), np.array([[0.1], [0.1], [0.0]])
+    mixed = report.paired_bootstrap([a_m, b_m], [a_r, b_r], resamples=50)
+    assert mixed["pairs"] == 3 and mixed["ahead"] == 1  # seed 1: (-0.25 + 0.1) / 2 < 0
 
 
 def test_paired_bootstrap_interval_covers_a_known_difference():
@@ -119,6 +125,7 @@ def test_build_pairs_runs_by_seed_and_reports_pass_at_k():
     assert built["methods"]["apmpo"]["auc_vs_reference"]["diff"] == 0
     text = report.render(built)
     assert "| apmpo | 2 | 54.2 ± 41.2 |" in text  # 13/24 = 54.2%; the std of 83.3 and 25.0 is 41.2
+    assert vs["ahead"] == 1 and "| 1/2 |" in text  # seed 0 won (10/12 against 6/12), seed 1 tied
 
 
 # ---------------------------------------------------------------------------- inputs

@@ -13,6 +13,10 @@ The statistics (Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Pre
   methods); the difference of the resample's means is one draw. The 95% interval is the 2.5th and 97.5th
   percentiles of 10,000 draws. An interval that holds 0 is no measured difference. One pair gives no interval:
   the variation between seeds, the larger part in RL, would be unknown.
+- Seeds ahead: of the pairs, how many the method won (its mean over problems higher). The interval is read with
+  it: resampling few seeds cannot reach past what they showed, so with 3 pairs an interval excludes 0 only when
+  all 3 differ the same way, which two equal methods do 1 time in 4 (an exact sign test needs 6 pairs of 6 for
+  p < 0.05). Few seeds make the interval a description of the seeds run, not a test.
 - IQM, the interquartile mean of the runs' scores (scipy's trim_mean at 25%, as rliable): robust to one run that
   diverged. With fewer than 4 runs it trims nothing and equals the mean.
 - AUC: the area under a run's validation curve (val/<benchmark>/pass@1 against the step, trapezoids) divided by
@@ -75,9 +79,10 @@ def paired_bootstrap(method: list[np.ndarray], reference: list[np.ndarray], resa
     draws /= len(diffs)
     low, high = np.percentile(draws, [2.5, 97.5])
     mean = float(np.mean([d.mean() for d in diffs]))
+    ahead = int((np.mean([d.mean(axis=1) for d in diffs], axis=0) > 0).sum())  # pairs the method won
     if num_seeds < 2:  # one pair: its seed's variation is unknown, so no interval is given
-        return {"diff": mean, "low": None, "high": None, "pairs": num_seeds, "significant": False}
-    return {"diff": mean, "low": float(low), "high": float(high), "pairs": num_seeds,
+        return {"diff": mean, "low": None, "high": None, "pairs": num_seeds, "ahead": ahead, "significant": False}
+    return {"diff": mean, "low": float(low), "high": float(high), "pairs": num_seeds, "ahead": ahead,
             "significant": bool(low > 0 or high < 0)}
 
 
@@ -221,13 +226,19 @@ def _interval(d: dict | None) -> str:
     return f"**{text}**" if d["significant"] else text
 
 
+def _ahead(d: dict | None) -> str:
+    return f"{d['ahead']}/{d['pairs']}" if d and d.get("pairs") else "–"
+
+
 def render(report: dict, title: str = "Study") -> str:
     ref = report["reference"]
     lines = [f"# {title}", "",
              "Cells: percent, mean ± std over training seeds (one run per seed). Δ vs "
              f"{ref}: the paired difference with its 95% bootstrap interval over seeds and problems "
              f"({report['resamples']:,} resamples); **bold** when the interval excludes 0, otherwise there is no "
-             "measured difference.", ""]
+             f"measured difference. Seeds ahead: the pairs (same seed) in which the method beat {ref}. With few "
+             "seeds read the two together: with 3 pairs an interval excludes 0 only when all 3 went the same way, "
+             "which two equal methods do 1 time in 4.", ""]
     for which in CHECKPOINTS:
         table = report["checkpoints"].get(which)
         if not table:
@@ -244,7 +255,8 @@ def render(report: dict, title: str = "Study") -> str:
             [f"{b} Pass@{kmax}" for b in names] if kmax > 1 else [])
         if len(names) > 1:
             header += ["Avg. Pass@1"]
-        header += [f"Δ Pass@1 vs {ref}"] + ([f"Δ Pass@{kmax} vs {ref}"] if kmax > 1 else []) + ["IQM Pass@1"]
+        header += [f"Δ Pass@1 vs {ref}", "seeds ahead"] + ([f"Δ Pass@{kmax} vs {ref}"] if kmax > 1 else []) + [
+            "IQM Pass@1"]
         rows = []
         for method, scores in table.items():
             row = [method, str(len(scores["steps"]))]
@@ -254,7 +266,7 @@ def render(report: dict, title: str = "Study") -> str:
             if len(names) > 1:
                 row += [_pct(scores["average"]["pass@1"])]
             vs = scores.get("vs_reference") or {}
-            row += [_interval((vs.get("pass@1") or {}).get("average"))]
+            row += [_interval((vs.get("pass@1") or {}).get("average")), _ahead((vs.get("pass@1") or {}).get("average"))]
             if kmax > 1:
                 row += [_interval((vs.get(f"pass@{kmax}") or {}).get("average"))]
             row += [f"{scores['average']['pass@1']['iqm'] * 100:.1f}"]
@@ -269,9 +281,10 @@ def render(report: dict, title: str = "Study") -> str:
     rows = []
     for method, info in report["methods"].items():
         rows.append([method, ", ".join(map(str, info["seeds"])), " ".join(info["overrides"]) or "(base config)",
-                     _pct(info["auc"]), _interval(info["auc_vs_reference"]),
+                     _pct(info["auc"]), _interval(info["auc_vs_reference"]), _ahead(info["auc_vs_reference"]),
                      f"{info['minutes']['mean']:.1f}"])
-    lines += _table(["Method", "seeds", "overrides", "val AUC", f"Δ AUC vs {ref}", "minutes a run"], rows)
+    lines += _table(["Method", "seeds", "overrides", "val AUC", f"Δ AUC vs {ref}", "seeds ahead", "minutes a run"],
+                    rows)
     return "\n".join(lines) + "\n"
 
 
