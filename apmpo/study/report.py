@@ -266,7 +266,8 @@ def render(report: dict, title: str = "Study") -> str:
             if len(names) > 1:
                 row += [_pct(scores["average"]["pass@1"])]
             vs = scores.get("vs_reference") or {}
-            row += [_interval((vs.get("pass@1") or {}).get("average")), _ahead((vs.get("pass@1") or {}).get("average"))]
+            pass1 = (vs.get("pass@1") or {}).get("average")
+            row += [_interval(pass1), _ahead(pass1)]
             if kmax > 1:
                 row += [_interval((vs.get(f"pass@{kmax}") or {}).get("average"))]
             row += [f"{scores['average']['pass@1']['iqm'] * 100:.1f}"]
