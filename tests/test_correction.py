@@ -141,6 +141,17 @@ def test_step_totals_reduce_the_mismatch_over_micro_batches():
         assert "rollout/masked_frac" not in out
 
 
+def test_step_totals_leave_out_the_means_of_a_step_without_rows():
+    # Every group of the step scored alike: only zero-weight dummy micro-batches ran. No token was seen, so no
+    # token mean (entropy, APMPO's p, the mismatch) and no extreme is reported; the loss parts are 0.
+    dummy = micro_batch([50.0], [-1.0], weight_zero=True)
+    totals = StepTotals()
+    rollout_correction(dummy, cfg("tis", "token"), totals, "cpu")
+    totals.add_entropy(torch.tensor([[0.7]]), dummy, "cpu")
+    totals.add({"loss/policy": torch.tensor(0.0), "apmpo/p": torch.tensor(0.9)}, dummy)
+    assert totals.reduce("cpu", world_size=1, optimizer_steps=1) == {"loss/policy": 0.0}
+
+
 def test_correction_config_is_checked_at_load():
     c = load_config(None, ["correction.mode=mis", "correction.level=token", "correction.mis_low=0.2"]).correction
     assert (c.mode, c.level, c.mis_low, c.mis_high, c.tis_cap) == ("mis", "token", 0.2, 2.0, 2.0)

@@ -137,9 +137,11 @@ class StepTotals:
         if world_size > 1:
             torch_dist.all_reduce(values)
         sums, tokens = values[: len(keys)].tolist(), values[len(keys):].tolist()
-        # DeepSpeed averages gradients over ranks, so each rank's loss part is scaled by world_size: undo it.
-        out = {k: s / (max(optimizer_steps, 1) * world_size) if k in ADDITIVE else s / max(t, 1e-12)
-               for k, s, t in zip(keys, sums, tokens)}
+        # DeepSpeed averages gradients over ranks, so each rank's loss part is scaled by world_size: undo it. A mean
+        # over no tokens (a step whose every group scored alike runs only dummy micro-batches) is left out, not 0:
+        # a p or an entropy of 0 would be plotted as if measured.
+        out = {k: s / (max(optimizer_steps, 1) * world_size) if k in ADDITIVE else s / t
+               for k, s, t in zip(keys, sums, tokens) if k in ADDITIVE or t > 0}
         return {**out, **self._reduce_extremes(device, world_size)}
 
     def _reduce_extremes(self, device, world_size: int) -> dict[str, float]:
@@ -151,4 +153,5 @@ class StepTotals:
         if world_size > 1:
             torch_dist.all_reduce(values, op=torch_dist.ReduceOp.MAX)
         values = values.tolist()
-        return {**dict(zip(high, values[: len(high)])), **{k: -v for k, v in zip(low, values[len(high):])}}
+        out = {**dict(zip(high, values[: len(high)])), **{k: -v for k, v in zip(low, values[len(high):])}}
+        return {k: v for k, v in out.items() if math.isfinite(v)}  # +-inf: only dummy micro-batches, nothing seen
