@@ -169,6 +169,11 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
     for label, metrics in zip(labels, data):
         groups.setdefault(label, []).append(metrics)
     colors = plt.get_cmap("tab10").colors
+    styles = ("-", "--", ":", "-.")  # past ten labels the colours repeat: the line style tells them apart
+
+    def look(i: int) -> dict:
+        return dict(color=colors[i % len(colors)], linestyle=styles[i // len(colors) % len(styles)])
+
     total_time = max((sum(series(m, "time/step")[1]) for m in data), default=0.0)
     scale, unit = time_scale(total_time)
 
@@ -194,7 +199,7 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
             elif key not in ("time/step",) and not key.startswith("val/"):
                 raw_steps, raw = series(members[0], key)
                 ax.plot(raw_steps, raw, color=color, linewidth=0.8, alpha=0.35)
-            ax.plot(steps, mean, color=color, linewidth=2.2, **marker)
+            ax.plot(steps, mean, linewidth=2.2, **look(i), **marker)
             drawn = True
         if key == "apmpo/fss" and drawn and max(max(series(m, key)[1], default=0) for m in data) > 100:
             ax.set_yscale("symlog", linthresh=10)  # FSS explodes when a batch's rewards barely vary
@@ -206,7 +211,7 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
         ax.tick_params(labelsize=10)
         ax.grid(alpha=0.3)
     labels = [f"{label} ({len(members)} runs)" if len(members) > 1 else label for label, members in groups.items()]
-    handles = [plt.Line2D([], [], color=colors[i % len(colors)], linewidth=2.5) for i in range(len(labels))]
+    handles = [plt.Line2D([], [], linewidth=2.5, **look(i)) for i in range(len(labels))]
     # below the panels when a title takes the top: constrained layout does not stack a suptitle and a legend there
     fig.legend(handles, labels, loc="outside lower center" if title else "outside upper center",
                ncol=min(len(labels), 6), fontsize=12, frameon=False)
