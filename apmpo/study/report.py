@@ -14,9 +14,10 @@ The statistics (Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Pre
   percentiles of 10,000 draws. An interval that holds 0 is no measured difference. One pair gives no interval:
   the variation between seeds, the larger part in RL, would be unknown.
 - Seeds ahead: of the pairs, how many the method won (its mean over problems higher). The interval is read with
-  it: resampling few seeds cannot reach past what they showed, so with 3 pairs an interval excludes 0 only when
-  all 3 differ the same way, which two equal methods do 1 time in 4 (an exact sign test needs 6 pairs of 6 for
-  p < 0.05). Few seeds make the interval a description of the seeds run, not a test.
+  it: resampling few seeds cannot reach past what they showed, so with 2 or 3 pairs an interval excludes 0 about
+  when all pairs differ the same way, which two equal methods do 1 time in 2 with two pairs, 1 in 4 with three
+  (an exact sign test needs 6 pairs of 6 for p < 0.05). Few seeds make the interval a description of the seeds
+  run, not a test.
 - IQM, the interquartile mean of the runs' scores (scipy's trim_mean at 25%, as rliable): robust to one run that
   diverged. With fewer than 4 runs it trims nothing and equals the mean.
 - AUC: the area under a run's validation curve (val/<benchmark>/pass@1 against the step, trapezoids) divided by
@@ -237,8 +238,9 @@ def render(report: dict, title: str = "Study") -> str:
              f"{ref}: the paired difference with its 95% bootstrap interval over seeds and problems "
              f"({report['resamples']:,} resamples); **bold** when the interval excludes 0, otherwise there is no "
              f"measured difference. Seeds ahead: the pairs (same seed) in which the method beat {ref}. With few "
-             "seeds read the two together: with 3 pairs an interval excludes 0 only when all 3 went the same way, "
-             "which two equal methods do 1 time in 4.", ""]
+             "seeds read the two together: an interval excludes 0 about when all pairs went the same way, which two "
+             "equal methods do 1 time in 2 with two pairs and 1 in 4 with three (a sign test needs 6 of 6 for "
+             "p < 0.05).", ""]
     for which in CHECKPOINTS:
         table = report["checkpoints"].get(which)
         if not table:
