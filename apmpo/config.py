@@ -669,8 +669,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             budget = min(budget * d.get("max_turns", DataConfig.max_turns),
                          d.get("max_episode_tokens", DataConfig.max_episode_tokens))
         data["loss"] = {**loss, "token_budget": budget}
-    config = _build(Config, data, prefix="", source=source)
-    return config.validate(check_sources)
+    return _build(Config, data, prefix="", source=source).validate(check_sources)
 
 
 def native_bf16() -> str | None:

@@ -185,7 +185,7 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
     for ax, (key, panel_title, ylabel) in zip(axes.flat, panels):
         drawn = False
         for i, members in enumerate(groups.values()):
-            color = colors[i % len(colors)]
+            color = look(i)["color"]
             curves = [panel_series(metrics, key, smooth) for metrics in members]
             curves = [c for c in curves if c[0]]
             if not curves:

@@ -20,14 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def sequences(tokenizer, model, samples: str | None, problems: int, max_new_tokens: int) -> list[tuple[list, list]]:

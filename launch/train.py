@@ -77,8 +77,10 @@ def main(cfg: Config, resume: str) -> None:
         weights = WholeWeights(engine.module, engine, dist.rank, dist.world_size)  # for the push and save_best
         if dist.is_main:
             native = native_bf16()
-            why = (f"bf16 native: {native}" if native else "no native bf16 here") if cfg.model.dtype == "bf16" else (
-                f"as configured; bf16 would be native: {native}" if native else "bf16 would be emulated here")
+            if cfg.model.dtype == "bf16":
+                why = f"bf16 native: {native}" if native else "no native bf16 here"
+            else:
+                why = f"as configured; bf16 would be native: {native}" if native else "bf16 would be emulated here"
             print(f"[apmpo] run {cfg.run_dir}, {dist.world_size} learner rank(s) on {dist.device} in {cfg.model.dtype}"
                   f" ({why}), "
                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}", flush=True)

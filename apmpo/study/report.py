@@ -79,8 +79,8 @@ def paired_bootstrap(method: list[np.ndarray], reference: list[np.ndarray], resa
         draws += per_seed[seed_draw, np.arange(resamples)[:, None]].mean(axis=1)
     draws /= len(diffs)
     low, high = np.percentile(draws, [2.5, 97.5])
-    mean = float(np.mean([d.mean() for d in diffs]))
-    ahead = int((np.mean([d.mean(axis=1) for d in diffs], axis=0) > 0).sum())  # pairs the method won
+    per_seed = np.mean([d.mean(axis=1) for d in diffs], axis=0)  # each pair's difference, over benchmarks
+    mean, ahead = float(per_seed.mean()), int((per_seed > 0).sum())  # ahead: the pairs the method won
     if num_seeds < 2:  # one pair: its seed's variation is unknown, so no interval is given
         return {"diff": mean, "low": None, "high": None, "pairs": num_seeds, "ahead": ahead, "significant": False}
     return {"diff": mean, "low": float(low), "high": float(high), "pairs": num_seeds, "ahead": ahead,
