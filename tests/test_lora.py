@@ -113,7 +113,9 @@ def test_the_lora_quickstart_learns_serves_and_checkpoints(tmp_path):
     # Every batch came from the newest adapter (version = step - 1), and the engine's log-probs are the
     # learner's: an adapter that was not delivered (verl#7495) would show as a mismatch from step 2 on.
     assert all(r["rollout/staleness"] == 0 for r in records)
-    assert all(abs(r["rollout/mismatch_kl_k3"]) < 1e-5 for r in records), [r["rollout/mismatch_kl_k3"] for r in records]
+    # A step whose every group scored alike trains no token and logs no mismatch (late on, most groups are all right).
+    trained = [r["rollout/mismatch_kl_k3"] for r in records if "rollout/mismatch_kl_k3" in r]
+    assert len(trained) >= 40 and all(abs(kl) < 1e-5 for kl in trained), trained
     assert [r["step"] for r in records if "val/quickstart_val/pass@1" in r] == [20, 40, 60]
     assert records[-1]["val/quickstart_val/pass@1"] >= 0.8
     step = tmp_path / "quickstart_lora" / "checkpoints" / "step_60"
