@@ -12,8 +12,8 @@ it off). A RUN_DIR holds metrics.jsonl (runs/<name>/, as launch/train.py writes 
 itself may be passed. Legend labels: `--labels`, else the run directories' names, made distinct with the loss
 name from config.yaml or the parent folder.
 
-Several runs per label (seeds): runs given the same label are drawn as one line, their mean at each step they all
-logged, with a band from their minimum to their maximum (the paper's Figure 1 over seeds). A study folder
+Several runs per label (seeds): runs given the same label are drawn as one line, their mean at each step (a run
+that skipped a step holds its last value), with a band from their minimum to their maximum (the paper's Figure 1 over seeds). A study folder
 (`python -m apmpo.study --out DIR`) stands for all its runs, labelled by method:
 
     python -m apmpo.plot studies/smollm2_arith --out curves.png
@@ -22,6 +22,7 @@ logged, with a band from their minimum to their maximum (the paper's Figure 1 ov
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import sys
@@ -120,12 +121,17 @@ def panel_series(metrics: dict[int, dict], key: str, smooth: float) -> tuple[lis
     return steps, smoothed(values, smooth, log_like=key == "apmpo/fss")
 
 
-def band(curves: list[tuple[list[int], list[float]]], scale: float = 1.0):
-    """Steps every curve has, and there the mean, minimum and maximum over the curves (divided by `scale`)."""
-    common = sorted(set.intersection(*(set(steps) for steps, _ in curves)))
-    at = [dict(zip(steps, values)) for steps, values in curves]
-    columns = [[a[s] / scale for a in at] for s in common]
-    return common, [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
+def band(curves: list[tuple[list[int], list[float]]], scale: float = 1.0, end: int | None = None):
+    """The mean, minimum and maximum over the curves (divided by `scale`) at every step any of them logged, from
+    the first step all of them have begun to `end` (the last step every run reached). A curve that skipped a step
+    (an APMPO step whose every group scored alike logs no p) holds its last value there, as its moving average
+    does: one quiet seed does not cut the line short."""
+    start = max(steps[0] for steps, _ in curves)
+    end = min(steps[-1] for steps, _ in curves) if end is None else end
+    steps = sorted({s for curve_steps, _ in curves for s in curve_steps if start <= s <= end})
+    columns = [[values[bisect.bisect_right(curve_steps, s) - 1] / scale for curve_steps, values in curves]
+               for s in steps]
+    return steps, [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
 
 
 def expand_studies(paths: list[Path]) -> tuple[list[Path], list[str] | None]:
@@ -183,7 +189,7 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, (key, panel_title, ylabel) in zip(axes.flat, panels):
-        drawn = False
+        drawn, tallest = False, 0.0
         for i, members in enumerate(groups.values()):
             color = look(i)["color"]
             curves = [panel_series(metrics, key, smooth) for metrics in members]
@@ -192,16 +198,19 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
                 continue
             if key == "time/step":
                 ylabel = f"cumulative time ({unit})"
-            steps, mean, low, high = band(curves, scale if key == "time/step" else 1.0)
+            steps, mean, low, high = band(curves, scale if key == "time/step" else 1.0,
+                                          end=min(max(metrics, default=0) for metrics in members))
             marker = dict(marker="o", markersize=4) if key.startswith("val/") else {}
             if len(curves) > 1:
                 ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
+                tallest = max([tallest, *high])
             elif key not in ("time/step",) and not key.startswith("val/"):
                 raw_steps, raw = series(members[0], key)
                 ax.plot(raw_steps, raw, color=color, linewidth=0.8, alpha=0.35)
+                tallest = max([tallest, *raw])
             ax.plot(steps, mean, linewidth=2.2, **look(i), **marker)
-            drawn = True
-        if key == "apmpo/fss" and drawn and max(max(series(m, key)[1], default=0) for m in data) > 100:
+            drawn, tallest = True, max([tallest, *mean])
+        if key == "apmpo/fss" and tallest > 100:  # what is drawn: a band of moving averages may stay low
             ax.set_yscale("symlog", linthresh=10)  # FSS explodes when a batch's rewards barely vary
         if not drawn:
             ax.text(0.5, 0.5, f"{key} not logged", ha="center", va="center", transform=ax.transAxes, color="gray")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from apmpo.plot import ema, read_metrics, run_labels, smoothed
+from apmpo.plot import band, ema, read_metrics, run_labels, smoothed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +62,17 @@ def test_read_metrics_skips_cut_lines_and_ema_is_debiased(tmp_path):
     # weight 0.5: avg 0.5, 1.25 -> debiased 0.5/0.5 = 1, 1.25/0.75 = 5/3
     assert ema([1.0, 2.0], 0.5) == pytest.approx([1.0, 5 / 3])
     assert max(smoothed([1.0] * 10 + [1e6] + [1.0] * 10, 0.9, log_like=True)) < 1e3  # one FSS spike stays a bump
+
+
+def test_band_holds_a_skipped_step_and_stops_where_a_run_stopped():
+    # Run a skipped step 3 (every group alike: no p logged) and ends at 5; run b logs 2-4 only (it began late).
+    a = ([1, 2, 4, 5], [1.0, 2.0, 4.0, 5.0])
+    b = ([2, 3, 4], [20.0, 30.0, 40.0])
+    steps, mean, low, high = band([a, b])
+    assert steps == [2, 3, 4]  # from b's first step to b's last; a holds 2.0 at step 3
+    assert mean == [11.0, 16.0, 22.0] and low == [2.0, 2.0, 4.0] and high == [20.0, 30.0, 40.0]
+    # `end`: the last step every run reached, though a's last value of the key came earlier (steps 4-5 unlogged).
+    steps, mean, _, _ = band([([1, 2, 3], [1.0, 2.0, 3.0]), ([1, 2, 3, 4, 5], [0.0, 0.0, 0.0, 1.0, 1.0])], end=5)
+    assert steps == [1, 2, 3, 4, 5] and mean == [0.5, 1.0, 1.5, 2.0, 2.0]
+    # Half a step size as scale.
+    assert band([a], scale=2.0)[1] == [0.5, 1.0, 2.0, 2.5]
