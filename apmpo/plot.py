@@ -13,8 +13,8 @@ itself may be passed. Legend labels: `--labels`, else the run directories' names
 name from config.yaml or the parent folder.
 
 Several runs per label (seeds): runs given the same label are drawn as one line, their mean at each step (a run
-that skipped a step holds its last value), with a band from their minimum to their maximum (the paper's Figure 1 over seeds). A study folder
-(`python -m apmpo.study --out DIR`) stands for all its runs, labelled by method:
+that skipped a step holds its last value), with a band from their minimum to their maximum (the paper's Figure 1
+over seeds). A study folder (`python -m apmpo.study --out DIR`) stands for all its runs, labelled by method:
 
     python -m apmpo.plot studies/smollm2_arith --out curves.png
     python -m apmpo.plot runs/a0 runs/a1 runs/g0 runs/g1 --labels APMPO,APMPO,GRPO,GRPO

@@ -74,5 +74,5 @@ def test_band_holds_a_skipped_step_and_stops_where_a_run_stopped():
     # `end`: the last step every run reached, though a's last value of the key came earlier (steps 4-5 unlogged).
     steps, mean, _, _ = band([([1, 2, 3], [1.0, 2.0, 3.0]), ([1, 2, 3, 4, 5], [0.0, 0.0, 0.0, 1.0, 1.0])], end=5)
     assert steps == [1, 2, 3, 4, 5] and mean == [0.5, 1.0, 1.5, 2.0, 2.0]
-    # Half a step size as scale.
+    # `scale` divides every value (seconds to minutes for the time panel).
     assert band([a], scale=2.0)[1] == [0.5, 1.0, 2.0, 2.5]
