@@ -121,13 +121,12 @@ def panel_series(metrics: dict[int, dict], key: str, smooth: float) -> tuple[lis
     return steps, smoothed(values, smooth, log_like=key == "apmpo/fss")
 
 
-def band(curves: list[tuple[list[int], list[float]]], scale: float = 1.0, end: int | None = None):
+def band(curves: list[tuple[list[int], list[float]]], end: int, scale: float = 1.0):
     """The mean, minimum and maximum over the curves (divided by `scale`) at every step any of them logged, from
     the first step all of them have begun to `end` (the last step every run reached). A curve that skipped a step
     (an APMPO step whose every group scored alike logs no p) holds its last value there, as its moving average
     does: one quiet seed does not cut the line short."""
     start = max(steps[0] for steps, _ in curves)
-    end = min(steps[-1] for steps, _ in curves) if end is None else end
     steps = sorted({s for curve_steps, _ in curves for s in curve_steps if start <= s <= end})
     columns = [[values[bisect.bisect_right(curve_steps, s) - 1] / scale for curve_steps, values in curves]
                for s in steps]
@@ -189,7 +188,7 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, (key, panel_title, ylabel) in zip(axes.flat, panels):
-        drawn, tallest = False, 0.0
+        drawn = False
         for i, members in enumerate(groups.values()):
             color = look(i)["color"]
             curves = [panel_series(metrics, key, smooth) for metrics in members]
@@ -198,19 +197,17 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, smooth: f
                 continue
             if key == "time/step":
                 ylabel = f"cumulative time ({unit})"
-            steps, mean, low, high = band(curves, scale if key == "time/step" else 1.0,
-                                          end=min(max(metrics, default=0) for metrics in members))
+            steps, mean, low, high = band(curves, end=min(max(metrics) for metrics in members),
+                                          scale=scale if key == "time/step" else 1.0)
             marker = dict(marker="o", markersize=4) if key.startswith("val/") else {}
             if len(curves) > 1:
                 ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
-                tallest = max([tallest, *high])
             elif key not in ("time/step",) and not key.startswith("val/"):
                 raw_steps, raw = series(members[0], key)
                 ax.plot(raw_steps, raw, color=color, linewidth=0.8, alpha=0.35)
-                tallest = max([tallest, *raw])
             ax.plot(steps, mean, linewidth=2.2, **look(i), **marker)
-            drawn, tallest = True, max([tallest, *mean])
-        if key == "apmpo/fss" and tallest > 100:  # what is drawn: a band of moving averages may stay low
+            drawn = True
+        if key == "apmpo/fss" and drawn and ax.dataLim.y1 > 100:  # what is drawn: moving averages may stay low
             ax.set_yscale("symlog", linthresh=10)  # FSS explodes when a batch's rewards barely vary
         if not drawn:
             ax.text(0.5, 0.5, f"{key} not logged", ha="center", va="center", transform=ax.transAxes, color="gray")

@@ -68,11 +68,11 @@ def test_band_holds_a_skipped_step_and_stops_where_a_run_stopped():
     # Run a skipped step 3 (every group alike: no p logged) and ends at 5; run b logs 2-4 only (it began late).
     a = ([1, 2, 4, 5], [1.0, 2.0, 4.0, 5.0])
     b = ([2, 3, 4], [20.0, 30.0, 40.0])
-    steps, mean, low, high = band([a, b])
-    assert steps == [2, 3, 4]  # from b's first step to b's last; a holds 2.0 at step 3
+    steps, mean, low, high = band([a, b], end=4)
+    assert steps == [2, 3, 4]  # from b's first step to the last every run reached; a holds 2.0 at step 3
     assert mean == [11.0, 16.0, 22.0] and low == [2.0, 2.0, 4.0] and high == [20.0, 30.0, 40.0]
     # `end`: the last step every run reached, though a's last value of the key came earlier (steps 4-5 unlogged).
     steps, mean, _, _ = band([([1, 2, 3], [1.0, 2.0, 3.0]), ([1, 2, 3, 4, 5], [0.0, 0.0, 0.0, 1.0, 1.0])], end=5)
     assert steps == [1, 2, 3, 4, 5] and mean == [0.5, 1.0, 1.5, 2.0, 2.0]
     # `scale` divides every value (seconds to minutes for the time panel).
-    assert band([a], scale=2.0)[1] == [0.5, 1.0, 2.0, 2.5]
+    assert band([a], end=5, scale=2.0)[1] == [0.5, 1.0, 2.0, 2.5]
