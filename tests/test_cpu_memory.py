@@ -29,7 +29,10 @@ def in_a_new_thread():  # as the server runs each request
     return result[0]
 step = in_a_new_thread if sys.argv[2] == "threads" else faults_of_one_step
 step(), step()  # the first steps grow the heap
-print(step())
+# The fewest of four steps: the kernel may fault a kept page in again on its own now and then (CI's runs faulted
+# 4-7 blocks of 64 MiB once in a while, as NUMA balancing's scans do), while a heap that gives its memory back
+# faults all of it in every step.
+print(min(step() for _ in range(4)))
 """
 
 
@@ -44,7 +47,7 @@ def faults(mode: str, where: str = "main", tunables: str | None = None) -> int:
 
 def test_a_step_reuses_the_memory_the_last_one_freed():
     # 3 x 512 MiB written is 393,216 pages of 4 KiB: glibc's default maps every 64 MiB block afresh and faults
-    # them all in again; kept, the second step reuses the heap (measured: 0 pages, or one block's 16,384).
+    # them all in again; kept, the second step reuses the heap (measured: 0 pages).
     default = faults("default")
     assert default > 300_000
     assert faults("kept") < default / 10
@@ -53,7 +56,7 @@ def test_a_step_reuses_the_memory_the_last_one_freed():
 def test_steps_on_new_threads_reuse_it_with_one_arena():
     # Each thread got an arena of its own, which glibc gave back: the server's pushes faulted their pages in again
     # on every request thread. With the launcher's GLIBC_TUNABLES every thread takes the kept heap.
-    # (measured: 393,248 pages with arenas of their own; 0 with one, at times a few blocks' 16,384 each)
+    # (measured: 393,248 pages with arenas of their own; 0 with one)
     own_arenas = faults("kept", "threads")
     assert own_arenas > 300_000
     assert faults("kept", "threads", with_one_arena(None)) < own_arenas / 4
