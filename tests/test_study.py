@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from apmpo.study import report
-from apmpo.study.__main__ import (BUILTIN_VARIANTS, Settings, StudyError, load_study, method_overrides,
+from apmpo.study.__main__ import (BUILTIN_VARIANTS, Settings, StudyError, load_study, method_overrides, save_study,
                                   parse_parallel, parse_variant, saved_methods)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,7 +157,7 @@ def test_parallel_groups():
 
 def test_a_study_refuses_to_change_what_its_runs_were_trained_with(tmp_path):
     settings = Settings("configs/quickstart.yaml", ("train.steps=4",))
-    load_study(tmp_path, settings, {"grpo": ("loss.name=grpo",)})
+    save_study(tmp_path, *load_study(tmp_path, settings, {"grpo": ("loss.name=grpo",)}))
     # later calls: the settings are read back, methods are added
     _, methods = load_study(tmp_path, None, {"apmpo": ("loss.name=apmpo",)})
     assert methods == {"grpo": ("loss.name=grpo",), "apmpo": ("loss.name=apmpo",)}
@@ -168,7 +168,7 @@ def test_a_study_refuses_to_change_what_its_runs_were_trained_with(tmp_path):
     with pytest.raises(StudyError, match="needs --config"):
         load_study(tmp_path / "new", None, {})
     # A variant the study has trained is known by name on later calls.
-    load_study(tmp_path, None, {"mine": ("loss.gamma=1",)})
+    save_study(tmp_path, *load_study(tmp_path, None, {"mine": ("loss.gamma=1",)}))
     assert method_overrides("mine", saved_methods(tmp_path)) == ("loss.gamma=1",)
     assert saved_methods(tmp_path / "new") == {}
 
@@ -183,10 +183,16 @@ def test_bad_method_or_override_fails_before_anything_runs(tmp_path):
     bad = run_study("--config", "configs/quickstart.yaml", "--out", str(out), "--methods", "grpo",
                     "--set", "loss.gama=1", timeout=120)
     assert bad.returncode == 2 and "bad config" in bad.stderr and "loss.gama" in bad.stderr
-    assert not (out / "runs").exists()
+    bad = run_study("--config", "configs/quickstart.yaml", "--out", str(out), "--methods", "grpo,mine",
+                    "--variant", "mine: loss.name=gpro", timeout=120)
+    assert bad.returncode == 2 and "loss.name" in bad.stderr
     bad = run_study("--config", "configs/quickstart.yaml", "--out", str(tmp_path / "t"), "--methods", "gpro",
                     timeout=120)
     assert bad.returncode == 2 and "'gpro'" in bad.stderr
+    # Nothing was written that a corrected call would have to match.
+    assert not out.exists() and not (tmp_path / "t").exists()
+    bad = run_study("--out", str(out), "--report", timeout=120)
+    assert bad.returncode == 2 and "no study to report on" in bad.stderr
 
 
 # ---------------------------------------------------------------------------- end to end

@@ -141,7 +141,7 @@ def saved_methods(out: Path) -> dict[str, tuple[str, ...]]:
 
 
 def load_study(out: Path, settings: Settings | None, methods: dict[str, tuple[str, ...]]) -> tuple[Settings, dict]:
-    """Merges this call into OUT/study.json: the shared settings must be those of earlier calls, a method already
+    """Merges this call with OUT/study.json: the shared settings must be those of earlier calls, a method already
     there keeps its overrides. Returns the settings and every method of the study."""
     path = out / "study.json"
     if path.is_file():
@@ -161,12 +161,17 @@ def load_study(out: Path, settings: Settings | None, methods: dict[str, tuple[st
         methods = known | methods
     elif settings is None:
         raise StudyError(f"{path} does not exist: a new study needs --config")
+    return settings, methods
+
+
+def save_study(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]) -> None:
+    """Writes OUT/study.json, once every run's config has loaded: a bad config or variant leaves nothing behind
+    that a corrected call would have to match."""
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": settings.__dict__, "methods": methods}, indent=1) + "\n")
+    (out / "study.json").write_text(json.dumps({"settings": settings.__dict__, "methods": methods}, indent=1) + "\n")
     ignore = out / ".gitignore"
     if not ignore.exists():  # what a commit of the study folder leaves out: large, and not needed by the report
         ignore.write_text("checkpoints/\ntensorboard/\n*.log\nsamples.jsonl\n*.tmp\n")
-    return settings, methods
 
 
 def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]], asked: list[str],
@@ -575,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = None if args.config is None else Settings(
             args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every)
         if args.report:
+            if not (out / "study.json").is_file():
+                raise StudyError(f"{out / 'study.json'} does not exist: no study to report on in {out}")
             log(f"report: {write_report(out, list(saved_methods(out)), args.reference)}")
             return 0
         if not asked:
@@ -582,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         slots = parse_parallel(args.parallel)
         settings, methods = load_study(out, settings, methods)
         runs = plan_runs(out, settings, methods, asked, args.seeds)
+        save_study(out, settings, methods)
     except (StudyError, ConfigError) as error:
         print(f"apmpo.study: bad config: {error}", file=sys.stderr)
         return 2
