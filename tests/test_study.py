@@ -153,6 +153,24 @@ def test_parallel_groups():
         parse_parallel("0+1;1+2")
     with pytest.raises(StudyError, match="not 'GPUS"):
         parse_parallel("a+b")
+    assert len(parse_parallel("0+1;2+3", gpus=4)) == 2
+    with pytest.raises(StudyError, match=r"names GPU\(s\) \[3\], but this machine has 3 GPU"):
+        parse_parallel("0+1;2+3", gpus=3)
+    with pytest.raises(StudyError, match="has 0 GPU.*leave --parallel out"):
+        parse_parallel("0", gpus=0)
+
+
+def test_a_parallel_run_starts_under_deepspeeds_launcher_from_this_interpreter(tmp_path):
+    # `deepspeed` is on PATH only in an activated environment; `.venv/bin/python -m apmpo.study` has none
+    from apmpo.config import load_config
+    from apmpo.study.__main__ import Run, Slot, commands
+
+    run = Run("grpo", 0, (), ("loss.name=grpo",), tmp_path, load_config("configs/quickstart.yaml"))
+    what, argv, _ = next(commands(run, Settings("configs/quickstart.yaml"), Slot("2,3", "4", 29510)))
+    assert what == "training"
+    assert argv[:7] == [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:2,3",
+                        "--master_port", "29510"]
+    assert argv[7].endswith("launch/train.py") and argv[-2:] == ["--set", "rollout.devices=4"]
 
 
 def test_a_study_refuses_to_change_what_its_runs_were_trained_with(tmp_path):
@@ -193,6 +211,13 @@ def test_bad_method_or_override_fails_before_anything_runs(tmp_path):
     assert not out.exists() and not (tmp_path / "t").exists()
     bad = run_study("--out", str(out), "--report", timeout=120)
     assert bad.returncode == 2 and "no study to report on" in bad.stderr
+    bad = run_study("--config", "configs/quickstart.yaml", "--out", str(out), "--methods", "grpo",
+                    "--parallel", "98+99", timeout=120)
+    assert bad.returncode == 2 and "names GPU(s) [98, 99], but this machine has" in bad.stderr
+    (tmp_path / "file").write_text("")
+    bad = run_study("--config", "configs/quickstart.yaml", "--out", str(tmp_path / "file"), "--methods", "grpo",
+                    timeout=120)
+    assert bad.returncode == 2 and "is a file, not a study folder" in bad.stderr
 
 
 # ---------------------------------------------------------------------------- end to end

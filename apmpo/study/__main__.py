@@ -248,7 +248,8 @@ def commands(run: Run, settings: Settings, slot: Slot):
     if not trained(run):
         argv = [sys.executable, str(ROOT / "launch" / "train.py")]
         if slot.learner:
-            argv = [shutil.which("deepspeed") or "deepspeed", "--include", f"localhost:{slot.learner}",
+            # DeepSpeed's launcher from this interpreter: `deepspeed` is on PATH only in an activated environment
+            argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--include", f"localhost:{slot.learner}",
                     "--master_port", str(slot.port), str(ROOT / "launch" / "train.py")]
         overrides = run.overrides + ((f"rollout.devices={slot.servers}",) if slot.servers else ())
         yield "training", argv + ["--config", cfg_path(settings)] + [a for o in overrides for a in ("--set", o)], None
@@ -367,7 +368,8 @@ class Slot:
     port: int = 29500
 
 
-def parse_parallel(text: str | None) -> list[Slot]:
+def parse_parallel(text: str | None, gpus: int | None = None) -> list[Slot]:
+    """--parallel's groups, checked against the `gpus` this machine has (None: not checked)."""
     if text is None:
         return [Slot()]
     slots = []
@@ -381,7 +383,16 @@ def parse_parallel(text: str | None) -> list[Slot]:
     named = [d for s in slots for d in (s.learner + "," + (s.servers or "")).split(",") if d]
     if len(set(named)) != len(named):
         raise StudyError(f"--parallel {text!r} names a GPU twice: every group needs GPUs of its own")
+    if gpus is not None and (missing := sorted({int(d) for d in named if int(d) >= gpus})):
+        raise StudyError(f"--parallel {text!r} names GPU(s) {missing}, but this machine has {gpus} GPU(s)"
+                         + ("; leave --parallel out to run one run at a time" if gpus == 0 else ""))
     return slots
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _die_with_parent() -> None:
@@ -586,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not asked:
             raise StudyError("--methods is empty: name the methods to run, e.g. --methods apmpo,grpo")
-        slots = parse_parallel(args.parallel)
+        if out.exists() and not out.is_dir():
+            raise StudyError(f"--out {out} is a file, not a study folder")
+        slots = parse_parallel(args.parallel, _gpu_count() if args.parallel else None)
         settings, methods = load_study(out, settings, methods)
         runs = plan_runs(out, settings, methods, asked, args.seeds)
         save_study(out, settings, methods)
