@@ -4,6 +4,7 @@ report) through its CLI, killed once and resumed."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -214,6 +215,14 @@ def test_bad_method_or_override_fails_before_anything_runs(tmp_path):
     bad = run_study("--config", "configs/quickstart.yaml", "--out", str(out), "--methods", "grpo",
                     "--parallel", "98+99", timeout=120)
     assert bad.returncode == 2 and "names GPU(s) [98, 99], but this machine has" in bad.stderr
+    # A second study in the folder of a running one (here: this process holds its lock)
+    from apmpo.study.__main__ import lock_study
+
+    with lock_study(tmp_path / "busy"):
+        bad = run_study("--config", "configs/quickstart.yaml", "--out", str(tmp_path / "busy"), "--methods", "grpo",
+                        timeout=120)
+    assert bad.returncode == 2 and f"another apmpo.study (pid {os.getpid()}) is running" in bad.stderr
+    assert not (tmp_path / "busy" / "study.json").exists()
     (tmp_path / "file").write_text("")
     bad = run_study("--config", "configs/quickstart.yaml", "--out", str(tmp_path / "file"), "--methods", "grpo",
                     timeout=120)

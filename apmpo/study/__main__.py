@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -164,6 +166,23 @@ def load_study(out: Path, settings: Settings | None, methods: dict[str, tuple[st
     return settings, methods
 
 
+def lock_study(out: Path):
+    """Holds OUT/.lock while this process lives (the kernel lets go when it dies, however): a second study in the
+    same folder would train the same runs into the same directories at once."""
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise StudyError(f"another apmpo.study (pid {handle.read().strip() or '?'}) is running in {out}: wait for "
+                         "it to end, or stop it (the same command then goes on where it stopped)") from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 def save_study(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]) -> None:
     """Writes OUT/study.json, once every run's config has loaded: a bad config or variant leaves nothing behind
     that a corrected call would have to match."""
@@ -171,7 +190,7 @@ def save_study(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]
     (out / "study.json").write_text(json.dumps({"settings": settings.__dict__, "methods": methods}, indent=1) + "\n")
     ignore = out / ".gitignore"
     if not ignore.exists():  # what a commit of the study folder leaves out: large, and not needed by the report
-        ignore.write_text("checkpoints/\ntensorboard/\n*.log\nsamples.jsonl\n*.tmp\n")
+        ignore.write_text("checkpoints/\ntensorboard/\n*.log\nsamples.jsonl\n*.tmp\n.lock\n")
 
 
 def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]], asked: list[str],
@@ -602,10 +621,20 @@ def main(argv: list[str] | None = None) -> int:
         slots = parse_parallel(args.parallel, _gpu_count() if args.parallel else None)
         settings, methods = load_study(out, settings, methods)
         runs = plan_runs(out, settings, methods, asked, args.seeds)
+        lock = lock_study(out)
         save_study(out, settings, methods)
-    except (StudyError, ConfigError) as error:
+    except ConfigError as error:
         print(f"apmpo.study: bad config: {error}", file=sys.stderr)
         return 2
+    except StudyError as error:
+        print(f"apmpo.study: {error}", file=sys.stderr)
+        return 2
+    with lock:  # until the study ends
+        return run_study(out, runs, settings, slots, methods, args)
+
+
+def run_study(out: Path, runs: list[Run], settings: Settings, slots: list[Slot], methods: dict,
+              args: argparse.Namespace) -> int:
 
     def finished(run: Run) -> None:
         if not args.keep_checkpoints:
