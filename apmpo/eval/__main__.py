@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from apmpo import models, seeding
+from apmpo import dirlock, models, seeding
 from apmpo.data import FIELD_MAPS, stop_token_ids
 from apmpo.eval.metrics import average, summarize_benchmark
 from apmpo.eval.run import (BATCH_PROMPTS, Benchmark, EvalError, SampleStore, check_settings, encode_benchmark,
@@ -201,7 +201,6 @@ def prepare_out(out: Path) -> None:
 
 def evaluate(args: argparse.Namespace) -> dict:
     start = time.monotonic()
-    prepare_out(args.out)
     model = resolve_model(args.model)
     if args.reward is not None:
         check_reward(args.reward)
@@ -346,8 +345,10 @@ def _write(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        results = evaluate(args)
-    except (EvalError, ServerUnavailable, ServerStartError, ServerError) as error:
+        prepare_out(args.out)
+        with dirlock.hold(args.out, "apmpo.eval"):  # two evaluations would append to the same samples
+            results = evaluate(args)
+    except (EvalError, dirlock.Busy, ServerUnavailable, ServerStartError, ServerError) as error:
         hint = " (is it running? check --server and --server-token)" if isinstance(error, ServerUnavailable) else ""
         print(f"apmpo.eval: error: {error}{hint}", file=sys.stderr)
         return 1

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import fcntl
 import json
-import os
 import shlex
 import shutil
 import signal
@@ -46,7 +44,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
+from apmpo import dirlock
 from apmpo.study import report as study_report
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/train.py
@@ -166,21 +166,14 @@ def load_study(out: Path, settings: Settings | None, methods: dict[str, tuple[st
     return settings, methods
 
 
-def lock_study(out: Path):
-    """Holds OUT/.lock while this process lives (the kernel lets go when it dies, however): a second study in the
-    same folder would train the same runs into the same directories at once."""
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a+")
+def lock_study(out: Path) -> TextIO:
+    """Holds OUT/.lock while the study runs: a second study in the same folder would train the same runs into the
+    same directories at once."""
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        raise StudyError(f"another apmpo.study (pid {handle.read().strip() or '?'}) is running in {out}: wait for "
-                         "it to end, or stop it (the same command then goes on where it stopped)") from None
-    handle.truncate(0)
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
+        return dirlock.hold(out, "apmpo.study")
+    except dirlock.Busy as busy:
+        raise StudyError(f"{busy}: wait for it to end, or stop it (the same command then goes on where it "
+                         "stopped)") from None
 
 
 def save_study(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]) -> None:
