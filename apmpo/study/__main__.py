@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_study(out: Path, runs: list[Run], settings: Settings, slots: list[Slot], methods: dict,
               args: argparse.Namespace) -> int:
-
+    """Runs what is left of the study, rewriting the report after each run; the exit code."""
     def finished(run: Run) -> None:
         if not args.keep_checkpoints:
             prune(run)
