@@ -216,4 +216,8 @@ if __name__ == "__main__":
     except dirlock.Busy as busy:
         print(f"apmpo: {busy}: stop it, or give this run another logging.run_name", file=sys.stderr)
         sys.exit(1)
+    except OSError as error:
+        print(f"apmpo: bad config: logging.output_dir: cannot write the run directory {config.run_dir} "
+              f"({error.strerror or error})", file=sys.stderr)
+        sys.exit(2)
     main(config, resume_from)

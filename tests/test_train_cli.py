@@ -70,6 +70,8 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
         (["--config", str(tmp_path / "missing.yaml")], "config file not found"),
         (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", "loss.name=nope"],
          "loss.name must be one of ['apmpo', 'grpo', 'dapo', 'gmpo', 'dr_grpo', 'gspo'], got 'nope'"),
+        (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", f"logging.output_dir={bad}"],
+         f"logging.output_dir: cannot write the run directory {bad}/quickstart (Not a directory)"),
     )]  # all at once: each spends its seconds importing
     for process, message in runs:
         stderr = process.communicate(timeout=120)[1]
