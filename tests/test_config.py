@@ -71,6 +71,12 @@ def test_missing_file_and_bad_yaml(tmp_path):
     broken.write_text("loss: [unclosed\n")
     with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
         load_config(broken)
+    binary = tmp_path / "binary.yaml"  # e.g. a checkpoint's file given by mistake
+    binary.write_bytes(b"\x80\xecloss: x\n")
+    with pytest.raises(ConfigError, match="binary.yaml: not valid YAML: 'utf-8' codec can't decode"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="mem: cannot read it"):  # a file that fails to read
+        load_config("/proc/self/mem")
 
 
 def test_base_files_merge_and_cross_field_checks(tmp_path):
