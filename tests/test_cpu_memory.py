@@ -30,7 +30,7 @@ def in_a_new_thread():  # as the server runs each request
 step = in_a_new_thread if sys.argv[2] == "threads" else faults_of_one_step
 step(), step()  # the first steps grow the heap
 # The fewest of four steps: the kernel may fault a kept page in again on its own now and then (CI's runs faulted
-# 4-7 blocks of 64 MiB once in a while, as NUMA balancing's scans do), while a heap that gives its memory back
+# 4-7 blocks of 64 MiB once in a while; NUMA balancing's scans can do that), while a heap that gives its memory back
 # faults all of it in every step.
 print(min(step() for _ in range(4)))
 """
