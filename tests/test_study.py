@@ -154,11 +154,15 @@ def test_parallel_groups():
         parse_parallel("0+1;1+2")
     with pytest.raises(StudyError, match="not 'GPUS"):
         parse_parallel("a+b")
-    assert len(parse_parallel("0+1;2+3", gpus=4)) == 2
+    assert len(parse_parallel("0+1;2+3", gpus=["0", "1", "2", "3"])) == 2
     with pytest.raises(StudyError, match=r"names GPU\(s\) \[3\], but this machine has 3 GPU"):
-        parse_parallel("0+1;2+3", gpus=3)
+        parse_parallel("0+1;2+3", gpus=["0", "1", "2"])
     with pytest.raises(StudyError, match="has 0 GPU.*leave --parallel out"):
-        parse_parallel("0", gpus=0)
+        parse_parallel("0", gpus=[])
+    # ids are physical, as CUDA_VISIBLE_DEVICES names them (and as rollout.devices takes them)
+    assert len(parse_parallel("4+5;6+7", gpus=["4", "5", "6", "7"])) == 2
+    with pytest.raises(StudyError, match=r"names GPU\(s\) \[0, 1\], but this machine has 4 GPU\(s\) \(4,5,6,7\)"):
+        parse_parallel("0+1", gpus=["4", "5", "6", "7"])
 
 
 def test_a_parallel_run_starts_under_deepspeeds_launcher_from_this_interpreter(tmp_path):
@@ -226,7 +230,7 @@ def test_bad_method_or_override_fails_before_anything_runs(tmp_path):
     (tmp_path / "file").write_text("")
     bad = run_study("--config", "configs/quickstart.yaml", "--out", str(tmp_path / "file"), "--methods", "grpo",
                     timeout=120)
-    assert bad.returncode == 2 and "is a file, not a study folder" in bad.stderr
+    assert bad.returncode == 2 and f"--out {tmp_path / 'file'}: cannot write there" in bad.stderr
 
 
 # ---------------------------------------------------------------------------- end to end

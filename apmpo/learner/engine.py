@@ -79,6 +79,13 @@ def cpu_threads(cores: int, world_size: int, overlap: bool) -> int:
     return max(1, cores // (world_size + overlap))
 
 
+def visible_gpus(env: dict[str, str] = os.environ, gpu_count: int | None = None) -> list[str]:
+    """The physical ids of the GPUs this process may use: CUDA_VISIBLE_DEVICES's, or 0 to the count without it."""
+    gpu_count = torch.cuda.device_count() if gpu_count is None else gpu_count
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    return [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(gpu_count)]
+
+
 def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int | None = None) -> bool:
     """Before anything starts: a config that names server GPUs needs a learner that sees CUDA (else it would
     quietly train on the CPU), and every server's GPUs must not overlap the learner's, except the one shared-GPU
@@ -101,8 +108,7 @@ def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int 
             f"built for CUDA {torch.version.cuda}): it would train on the CPU. Check the driver and the torch build "
             "(bash scripts/install.sh checks both), or set rollout.devices: null to run everything on the CPU.")
     groups = [group.split(",") for group in device_groups(devices)]  # valid: checked at load
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    visible = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(gpu_count)]
+    visible = visible_gpus(env, gpu_count)
     local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1)
     learner = visible[:local_ranks]
     shared = [d for group in groups for d in group if d in learner]

@@ -174,6 +174,8 @@ def lock_study(out: Path) -> TextIO:
     except dirlock.Busy as busy:
         raise StudyError(f"{busy}: wait for it to end, or stop it (the same command then goes on where it "
                          "stopped)") from None
+    except OSError as error:  # a file, or a path where nothing can be written
+        raise StudyError(f"--out {out}: cannot write there ({error.strerror or error})") from None
 
 
 def save_study(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]) -> None:
@@ -380,8 +382,8 @@ class Slot:
     port: int = 29500
 
 
-def parse_parallel(text: str | None, gpus: int | None = None) -> list[Slot]:
-    """--parallel's groups, checked against the `gpus` this machine has (None: not checked)."""
+def parse_parallel(text: str | None, gpus: list[str] | None = None) -> list[Slot]:
+    """--parallel's groups, checked against the physical ids of the `gpus` this process sees (None: not checked)."""
     if text is None:
         return [Slot()]
     slots = []
@@ -395,16 +397,16 @@ def parse_parallel(text: str | None, gpus: int | None = None) -> list[Slot]:
     named = [d for s in slots for d in (s.learner + "," + (s.servers or "")).split(",") if d]
     if len(set(named)) != len(named):
         raise StudyError(f"--parallel {text!r} names a GPU twice: every group needs GPUs of its own")
-    if gpus is not None and (missing := sorted({int(d) for d in named if int(d) >= gpus})):
-        raise StudyError(f"--parallel {text!r} names GPU(s) {missing}, but this machine has {gpus} GPU(s)"
-                         + ("; leave --parallel out to run one run at a time" if gpus == 0 else ""))
+    if gpus is not None and (missing := sorted({int(d) for d in named if d not in gpus})):
+        raise StudyError(f"--parallel {text!r} names GPU(s) {missing}, but this machine has {len(gpus)} GPU(s)"
+                         + (f" ({','.join(gpus)})" if gpus else "; leave --parallel out to run one run at a time"))
     return slots
 
 
-def _gpu_count() -> int:
-    import torch
+def _visible_gpus() -> list[str]:
+    from apmpo.learner.engine import visible_gpus
 
-    return torch.cuda.device_count()
+    return visible_gpus()
 
 
 def _die_with_parent() -> None:
@@ -609,9 +611,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not asked:
             raise StudyError("--methods is empty: name the methods to run, e.g. --methods apmpo,grpo")
-        if out.exists() and not out.is_dir():
-            raise StudyError(f"--out {out} is a file, not a study folder")
-        slots = parse_parallel(args.parallel, _gpu_count() if args.parallel else None)
+        slots = parse_parallel(args.parallel, _visible_gpus() if args.parallel else None)
         settings, methods = load_study(out, settings, methods)
         runs = plan_runs(out, settings, methods, asked, args.seeds)
         lock = lock_study(out)
