@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import time
+import zlib
+from array import array
 from dataclasses import dataclass
 
 from apmpo.config import Config, save_config
@@ -114,7 +117,16 @@ class Driver(contextlib.ExitStack):
         times = {f"time/{k}": v for k, v in batch.times.items()} | {"time/wait_rollouts": time.perf_counter() - tick}
         staleness = {"rollout/staleness": batch.staleness(self.policy_version),
                      "rollout/discarded_stale": self.stream.discarded}
+        self._log_digests(step, batch.rollouts)
         return Batch(batch.rollouts, batch.params, batch.metrics | staleness, times)
+
+    def _log_digests(self, step: int, rollouts: list[Rollout]) -> None:
+        """One line of RUN_DIR/rollouts.jsonl: a CRC-32 of each trained completion's token ids, in batch order. Two runs
+        that share their seeds (a study's methods) sample with the same random numbers, so comparing their lines
+        shows the step at which their trajectories part (apmpo.study.spread)."""
+        digests = [zlib.crc32(bytes(memoryview(array("i", r.completion_ids)))) for r in rollouts]
+        with open(self.cfg.run_dir / "rollouts.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "crc32": digests}) + "\n")
 
     def push(self, weights: WholeWeights) -> dict[str, float]:
         """The learner's weights (or its adapter) into every server; the seconds, and the engines' loading part."""
