@@ -1,0 +1,79 @@
+"""apmpo.study.stats: intervals and seed planning against hand-computed cases and a simulation of many studies."""
+import math
+
+import numpy as np
+import pytest
+
+from apmpo.study import stats
+
+
+def test_paired_t_by_hand():
+    # d = 1..6: mean 3.5, sd sqrt(17.5 / 5) = 1.87083; t(0.975, 5) = 2.57058 (tables);
+    # half-width 2.57058 * 1.87083 / sqrt(6) = 1.96331
+    i = stats.paired_t([1, 2, 3, 4, 5, 6])
+    assert i.n == 6 and i.mean == 3.5
+    assert i.sd == pytest.approx(1.87083, abs=1e-5)
+    assert i.halfwidth == pytest.approx(1.96331, abs=1e-5)
+    assert (i.low, i.high) == pytest.approx((3.5 - 1.96331, 3.5 + 1.96331), abs=1e-5)
+    with pytest.raises(ValueError, match="at least 2"):
+        stats.paired_t([1.0])
+
+
+def test_paired_t_on_the_first_study_is_wider_than_its_bootstrap():
+    # The committed six APMPO - GRPO pairs (last policy, pass@1 points). mean 2.07, sd 9.30:
+    # 2.07 +- 2.57058 * 9.30 / sqrt(6) = +-9.76; the report's percentile bootstrap gave [-5.5, +10.1].
+    d = [-5.01, -1.30, 17.90, -0.78, -6.64, 8.20]
+    i = stats.paired_t(d)
+    assert (round(i.low, 1), round(i.high, 1)) == (-7.7, 11.8)
+
+
+def test_seeds_needed_by_hand():
+    # sd 9, +-2: t(0.975, 80) = 1.99006 -> 1.99006 * 9 / 9 = 1.9901 <= 2 at n = 81;
+    # at n = 80, t(0.975, 79) = 1.99045 -> 1.99045 * 9 / 8.94427 = 2.0029 > 2.
+    assert stats.seeds_needed(9, 2) == 81
+    # sd 3, +-2: n = 11 gives 2.22814 * 3 / 3.31662 = 2.0154 > 2; n = 12 gives 2.20099 * 3 / 3.46410 = 1.9061.
+    assert stats.seeds_needed(3, 2) == 12
+    assert stats.seeds_needed(0, 2) == 2
+    with pytest.raises(ValueError, match="half-width"):
+        stats.seeds_needed(3, 0)
+
+
+def test_improvement_by_hand():
+    # wins 1, losses 1, a tie (half), and another win: 2.5 of 4
+    assert stats.improvement([1, -1, 0, 2]).p == 0.625
+    # 6 of 6: Clopper-Pearson's lower bound is (0.025) ** (1 / 6) = 0.54074, the upper bound 1
+    i = stats.improvement([1, 2, 3, 4, 5, 6])
+    assert (i.p, i.high) == (1.0, 1.0) and i.low == pytest.approx(0.025 ** (1 / 6), abs=1e-9)
+    # 0 of 6 mirrors it
+    i = stats.improvement([-1] * 6)
+    assert (i.p, i.low) == (0.0, 0.0) and i.high == pytest.approx(1 - 0.025 ** (1 / 6), abs=1e-9)
+
+
+def test_sd_bound_by_hand():
+    # 6 pairs, sd 9: chi-square(0.2, 5) = 2.34253 -> 9 * sqrt(5 / 2.34253) = 13.149
+    assert stats.sd_bound(9, 6) == pytest.approx(13.149, abs=1e-3)
+
+
+def test_plan_reads_the_pilot():
+    p = stats.plan([-5.01, -1.30, 17.90, -0.78, -6.64, 8.20], 2.0, seconds_per_pair=1800)
+    assert p.seeds == stats.seeds_needed(p.pilot.sd, 2.0) and p.seeds_at_bound > p.seeds
+    assert p.hours(p.seeds) == pytest.approx(p.seeds / 2)
+
+
+@pytest.mark.parametrize("draw", ["normal", "skewed"])
+def test_planned_seeds_give_the_half_width_and_cover(draw):
+    """1,000 simulated studies of pairs with a known spread: the planned number of seeds gives intervals whose
+    half-width is within 10% of the target on average, and that cover the true difference about 95% of the time."""
+    rng = np.random.default_rng(0)
+    sd, delta, target = 6.0, 1.5, 2.0
+    n = stats.seeds_needed(sd, target)
+    if draw == "normal":
+        d = rng.normal(delta, sd, size=(1000, n))
+    else:  # a right-skewed difference with the same mean and sd: exponential, shifted
+        d = delta + sd * (rng.exponential(1.0, size=(1000, n)) - 1.0)
+    intervals = [stats.paired_t(row) for row in d]
+    half = np.mean([i.halfwidth for i in intervals])
+    covered = np.mean([i.low <= delta <= i.high for i in intervals])
+    assert abs(half - target) / target < 0.10, half
+    assert 0.93 <= covered <= 0.97, covered
+    assert n == 38  # 2.02619 * 6 / sqrt(38) = 1.9722; at 37, 2.02809 * 6 / sqrt(37) = 2.0005
