@@ -1,0 +1,141 @@
+"""Where the spread of the study's paired differences comes from (docs/study.md, "Where the spread comes from").
+
+    .venv/bin/python studies/spread/analyse.py      # reads studies/smollm2_arith and studies/spread/runs
+
+Every figure is in points of pass@1 (variance in points squared). Sources:
+- evaluation samples: each run's last policy is scored on 96 problems x 16 samples; the variance of that score
+  given the policy is sum_i p_i (1 - p_i) / (16 - 1) / 96^2 (p_i: problem i's observed pass rate; unbiased), and a
+  paired difference carries both arms'. The problems are the same for both arms, so they are not a source.
+- validation samples (64 problems x 2): the same formula at n = 2 over the last policy's p_i, checked against the
+  gap between a run's step-30 validation and its last-policy evaluation (the same policy scored twice).
+- which checkpoint: the paired sd of scores taken at other steps or averaged over the last ones.
+- training: a GRPO run against the study's seed-0 run (train.seed = data.seed = 0) with one of them changed:
+  train.seed (the engine's sampling numbers and the learner's torch seed) or data.seed (the prompts' order).
+- a rerun: the study's seed-0 APMPO and GRPO runs again for 15 steps; their logged metrics compared number for
+  number, and their completions' digests (rollouts.jsonl) with each other: how fast coupled trajectories part.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from apmpo.plot import read_metrics  # noqa: E402
+from apmpo.study import stats  # noqa: E402
+
+STUDY = ROOT / "studies" / "smollm2_arith" / "runs"
+RUNS = ROOT / "studies" / "spread" / "runs"
+KEY = "val/arith_test/pass@1"
+
+
+def study_run(method: str, seed: int) -> dict:
+    return json.loads((STUDY / method / f"seed_{seed}" / "result.json").read_text())
+
+
+def last_correct(result: dict) -> np.ndarray:
+    return np.asarray(result["eval"]["last"]["benchmarks"]["arith_test"]["correct"], dtype=float)
+
+
+def eval_variance(correct: np.ndarray, n: int) -> float:
+    """The sampling variance, in points squared, of a pass@1 score of n samples a problem given the policy, whose
+    pass rates p_i are estimated by the 16-sample evaluation `correct`: sum_i p_i (1 - p_i) / n / m^2, with n - 1
+    for the evaluation's own score (p_i estimated from the same samples, the unbiased form)."""
+    p = correct / 16
+    return float((p * (1 - p)).sum() / (n - 1 if n == 16 else n) / len(p) ** 2 * 1e4)
+
+
+def validation(result: dict) -> dict[int, float]:
+    return {step: 100 * value for step, value in result["validation"]}
+
+
+def spread_run(name: str) -> tuple[dict[int, dict], float | None]:
+    """A spread run's metrics by step and its last-policy pass@1 (points), None before its evaluation."""
+    d = RUNS / name
+    metrics = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else {}
+    results = d / "eval" / "last" / "results.json"
+    score = 100 * json.loads(results.read_text())["benchmarks"]["arith_test"]["pass@1"]["mean"] \
+        if results.is_file() else None
+    return metrics, score
+
+
+def digests(name: str) -> dict[int, list[int]]:
+    path = RUNS / name / "rollouts.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return {row["step"]: row["crc32"] for row in rows}
+
+
+def main() -> None:
+    seeds = range(6)
+    A = {s: study_run("apmpo", s) for s in seeds}
+    G = {s: study_run("grpo", s) for s in seeds}
+    score = {s: (100 * A[s]["eval"]["last"]["benchmarks"]["arith_test"]["pass@1"],
+                 100 * G[s]["eval"]["last"]["benchmarks"]["arith_test"]["pass@1"]) for s in seeds}
+    d = np.array([a - g for a, g in score.values()])
+    total = d.var(ddof=1)
+    print(f"paired difference APMPO - GRPO, last policy, 6 seeds: mean {d.mean():+.1f}, sd {d.std(ddof=1):.1f} "
+          f"(variance {total:.0f})")
+
+    ev = np.mean([eval_variance(last_correct(A[s]), 16) + eval_variance(last_correct(G[s]), 16) for s in seeds])
+    print(f"evaluation samples (96 x 16): variance {ev:.2f} of the paired difference ({100 * ev / total:.1f}%), "
+          f"sd {np.sqrt(ev):.2f}")
+    vv = np.mean([eval_variance(last_correct(r), 2) * 96 / 64 for r in [*A.values(), *G.values()]])
+    gap = np.array([validation(r)[30] - 100 * r["eval"]["last"]["benchmarks"]["arith_test"]["pass@1"]
+                    for r in [*A.values(), *G.values()]])
+    ve = np.mean([eval_variance(last_correct(r), 16) for r in [*A.values(), *G.values()]])
+    print(f"validation samples (64 x 2), one run: sd {np.sqrt(vv):.2f}; the same policy's step-30 validation minus "
+          f"its evaluation: predicted sd {np.sqrt(vv + ve):.2f}, measured {gap.std(ddof=1):.2f} over 12 runs "
+          f"(mean {gap.mean():+.2f})")
+
+    print("which checkpoint, paired sd over the 6 seeds (validation, 64 x 2 each):")
+    va, vg = ({s: validation(r) for s, r in X.items()} for X in (A, G))
+    for label, f in [("step 30", lambda v: v[30]), ("step 25", lambda v: v[25]),
+                     ("mean of steps 25-30", lambda v: np.mean([v[25], v[30]])),
+                     ("mean of steps 20-30", lambda v: np.mean([v[20], v[25], v[30]])),
+                     ("area under the curve, steps 5-30", lambda v: np.mean(list(v.values())))]:
+        dd = np.array([f(va[s]) - f(vg[s]) for s in seeds])
+        print(f"  {label:34s} mean {dd.mean():+5.1f}  sd {dd.std(ddof=1):5.1f}")
+    rho = np.corrcoef([a for a, _ in score.values()], [g for _, g in score.values()])[0, 1]
+    print(f"the arms' correlation over seeds: {rho:.2f}")
+
+    print("training (GRPO, last policy; the study's seed-0 run: train.seed 0, data.seed 0):")
+    grpo0 = score[0][1]
+    for name, what in [("grpo_t1_d0", "train.seed 1"), ("grpo_t2_d0", "train.seed 2"),
+                       ("grpo_t0_d1", "data.seed 1"), ("grpo_t0_d2", "data.seed 2")]:
+        metrics, s = spread_run(name)
+        if s is not None:
+            print(f"  {what}: {s:.1f} (against {grpo0:.1f}: {s - grpo0:+.1f}); step-30 validation "
+                  f"{100 * metrics[30][KEY]:.1f} (against {validation(G[0])[30]:.1f})")
+    for fixed, names in [("data.seed 0, train.seed 0-2", ["grpo_t1_d0", "grpo_t2_d0"]),
+                         ("train.seed 0, data.seed 0-2", ["grpo_t0_d1", "grpo_t0_d2"])]:
+        values = [grpo0] + [s for s in (spread_run(n)[1] for n in names) if s is not None]
+        if len(values) >= 2:
+            print(f"  {fixed}: sd {np.std(values, ddof=1):.1f} over {len(values)} runs")
+    study_sd = np.std([g for _, g in score.values()], ddof=1)
+    print(f"  for scale: GRPO's sd over the study's 6 seeds (both changed): {study_sd:.1f}")
+
+    print("reruns (15 steps) against the study's seed-0 runs:")
+    for method, name, result in [("apmpo", "apmpo_t0_d0_15", A[0]), ("grpo", "grpo_t0_d0_15", G[0])]:
+        metrics, _ = spread_run(name)
+        if not metrics:
+            continue
+        study_metrics = read_metrics(STUDY / method / "seed_0" / "metrics.jsonl")
+        keys = [k for k in metrics[1] if not k.startswith("time/") and k in study_metrics[1]]
+        steps = sorted(set(metrics) & set(study_metrics))
+        first = next((s for s in steps for k in keys if metrics[s].get(k) != study_metrics[s].get(k)), None)
+        print(f"  {method}: {len(steps)} steps, {len(keys)} metrics each: "
+              + ("every value equal" if first is None else f"first difference at step {first}"))
+    da, dg = digests("apmpo_t0_d0_15"), digests("grpo_t0_d0_15")
+    if da and dg:
+        same = [(s, np.mean([x == y for x, y in zip(da[s], dg[s])])) for s in sorted(set(da) & set(dg))]
+        print("APMPO and GRPO on seed 0, share of identical completions by step: "
+              + " ".join(f"{s}:{f:.2f}" for s, f in same))
+    print("planning at this design: "
+          f"{stats.seeds_needed(d.std(ddof=1), 2.0)} seeds for +-2 points at the paired sd {d.std(ddof=1):.1f}")
+
+
+if __name__ == "__main__":
+    main()
