@@ -17,7 +17,7 @@ well below 1 at the k of one rollout batch (4 optimiser steps in configs/smollm2
 forward lags its own master weights. Per token it compares bf16's log-ratio log pi_k / pi_0 (what a PPO ratio sees)
 with fp32's: their correlation, and the mean |difference| over fp32's mean |log-ratio| (the rounding's share).
 
-Then (`--learner-prompts`, 0 to skip) the learner itself: launch/train.py's `train_on_batch` (DeepSpeed ZeRO-2,
+Then (`--learner-prompts`, 0 to skip) the learner itself: `train_on_batch` (apmpo/learner/step.py; DeepSpeed ZeRO-2,
 configs/smollm2_arith.yaml's loss and optimiser, 4 optimiser steps) runs once as an fp32 and once as a bf16 learner,
 from the same weights on the same batch (`--learner-prompts` x 4 completions sampled from the model, scored by the
 math reward; `--reward parity` for a random model). It prints how the two fp32 master-weight updates compare
@@ -201,25 +201,15 @@ def surrogate(model, rollouts) -> float:
     return sum(r.advantage * float(answer_logprobs(model, completion(r)).mean()) for r in rollouts if r.advantage)
 
 
-def load_train():
-    """launch/train.py as a module (it is a script, not part of the package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("apmpo_train", ROOT / "launch" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    return train
-
-
 def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: int, reward: str,
                      group: int = 4) -> None:
     import deepspeed
 
     from apmpo.config import load_config
     from apmpo.learner.engine import build_engine, init_distributed
+    from apmpo.learner.step import train_on_batch
     from apmpo.loss import adaptive_params
 
-    train = load_train()
     tick = time.perf_counter()
     rollouts, rewards = sampled_batch(model, tokenizer, prompts, group, max_new_tokens, reward)
     mini_batch = max(1, prompts // 4)  # the config's 4 optimiser steps a batch, where there are 4 prompts or more
@@ -241,8 +231,8 @@ def compare_learners(path: str, tokenizer, model, prompts: int, max_new_tokens: 
                     for n, p in engine.module.named_parameters()}
 
         before = master()
-        metrics = train.train_on_batch(engine, None, rollouts, adaptive_params(rewards, cfg.loss), cfg, dist,
-                                       tokenizer.pad_token_id or 0, seed=0)
+        metrics = train_on_batch(engine, None, rollouts, adaptive_params(rewards, cfg.loss), cfg, dist,
+                                 tokenizer.pad_token_id or 0, seed=0)
         deltas[dtype] = {n: p - before[n] for n, p in master().items()}
         print(f"  {dtype} learner: approx_kl {metrics['policy/approx_kl']:.2e}, clipped "
               f"{metrics['loss/clip_frac_lower'] + metrics['loss/clip_frac_upper']:.2%} of tokens (its own forward)")
@@ -273,9 +263,9 @@ def compare_over_batches(path: str, tokenizer, model, prompts: int, batches: int
 
     from apmpo.config import load_config
     from apmpo.learner.engine import build_engine, init_distributed
+    from apmpo.learner.step import train_on_batch
     from apmpo.loss import adaptive_params
 
-    train = load_train()
     tick = time.perf_counter()
     sampler = copy.deepcopy(model).to(torch.bfloat16)  # only the data: bf16 samples as fast, and the same for all
     rollouts, rewards = sampled_batch(sampler, tokenizer, prompts * (batches + 2), group, max_new_tokens, reward)
@@ -301,8 +291,8 @@ def compare_over_batches(path: str, tokenizer, model, prompts: int, batches: int
         engine = build_engine(learner, cfg, dist)
         cells = []
         for b, (batch, batch_rewards) in enumerate(data):
-            train.train_on_batch(engine, None, batch, adaptive_params(batch_rewards, cfg.loss), cfg, dist,
-                                 tokenizer.pad_token_id or 0, seed=b)
+            train_on_batch(engine, None, batch, adaptive_params(batch_rewards, cfg.loss), cfg, dist,
+                           tokenizer.pad_token_id or 0, seed=b)
             if b % 2 == 0 and b + 1 < batches:
                 continue
             own = surrogate(engine.module.eval(), held) - start[dtype]

@@ -6,12 +6,13 @@
 One step, as in docs/ARCHITECTURE.md: rank 0 samples B prompts, asks the generation server(s) (separate vLLM
 processes) for G completions each, scores them and derives advantages and APMPO's p, FSS and eps_ada (with
 train.max_staleness >= 1 the next batches are generated meanwhile, in a background thread). Every rank receives
-the batch and computes the same plan: optimiser mini-batches, its token-balanced shard and token-budget
-micro-batches. Reference log-probs, and the old ones when there is more than one optimiser step per batch, are
-computed first in fp32 (with one, the old log-probs are the update forward's own); then each mini-batch is one
-optimiser step of DeepSpeed ZeRO-2 (or 3). Rank 0 pushes the new weights into the server(s), validates every
-eval.every steps, logs, and every `save_every` steps all ranks write an atomic checkpoint. APMPO departs from
-GRPO only in the loss (apmpo/loss.py): a power mean of the clipped ratios whose power and upper clip follow the
+the batch and runs the step, `train_on_batch` (apmpo/learner/step.py), which computes the same plan on every
+rank: optimiser mini-batches, its token-balanced shard and token-budget micro-batches. Reference log-probs, and
+the old ones when there is more than one optimiser step per batch, are computed first in fp32 (with one, the old
+log-probs are the update forward's own); then each mini-batch is one optimiser step of DeepSpeed ZeRO-2 (or 3).
+Rank 0 pushes the new weights into the server(s), validates every eval.every steps, logs, and every `save_every`
+steps all ranks write an atomic checkpoint. APMPO departs from GRPO only in the loss (`policy_loss`,
+apmpo/loss.py, which the step calls): a power mean of the clipped ratios whose power and upper clip follow the
 batch's rewards.
 """
 from __future__ import annotations
@@ -35,18 +36,14 @@ from transformers import AutoTokenizer
 
 from apmpo import dirlock
 from apmpo.config import Config, ConfigError, load_config, native_bf16
-from apmpo.learner import lora
-from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
 from apmpo.learner.driver import Driver
-from apmpo.learner.engine import (Dist, build_engine, check_devices, close_distributed, init_distributed, load_model,
-                                  partition_reference, start_micro_batch)
-from apmpo.learner.logprobs import shares_prompts
+from apmpo.learner.engine import (build_engine, check_devices, close_distributed, init_distributed, load_model,
+                                  partition_reference)
 from apmpo.learner.nodes import Nodes
 from apmpo.learner.prepare import load_vision, prepare_model
-from apmpo.learner.update import StepTotals, logprobs, rollout_correction
+from apmpo.learner.step import train_on_batch
 from apmpo.learner.zero3 import WholeWeights
-from apmpo.loss import AdaptiveParams, policy_loss
 from apmpo.rollout.launcher import follow_deepspeed_runner
 
 
@@ -130,64 +127,6 @@ def main(cfg: Config, resume: str) -> None:
     close_distributed()
     if dist.is_main:
         print(f"[apmpo] done: {cfg.run_dir}", flush=True)
-
-
-def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveParams, cfg: Config, dist: Dist,
-                   pad_id: int, seed: int, recompute_old: bool = False) -> dict[str, float]:
-    """Steps 6-7 on every rank: old and reference log-probs, then `epochs` passes over the mini-batches, one
-    DeepSpeed optimiser step each. Returns the step's metrics, reduced over ranks, with their timings."""
-    # Completions of one prompt packed into shared rows (apmpo/learner/logprobs.py): decided here, once, for the plan
-    # of micro-batches and for every forward of the step.
-    packed = shares_prompts(engine.module) and not any(r.mm for r in rollouts)
-    # Without a KL term a row of advantage 0 has no gradient in any loss: it is planned out of every forward.
-    plan = plan_step(rollouts, cfg.mini_batches_per_rollout, dist.world_size, cfg.train.micro_batch_tokens, seed,
-                     packed, skip_zero_advantage=cfg.loss.kl_beta == 0)
-    micro = [[collate(rollouts, indices, pad_id) for indices in step.micro[dist.rank]] for step in plan]
-    groups = torch.tensor([r.group for r in rollouts])
-    totals, times, device = StepTotals(), {}, dist.device
-    # One optimiser step on the batch it sampled: the old policy is the current one, so the old log-probs are
-    # the update forward's own, detached (as TRL and verl do), and a whole forward pass is saved. The step is
-    # the same bit for bit (tests/test_learner.py). Otherwise the old log-probs are computed first.
-    on_policy = len(plan) == 1 and cfg.train.epochs == 1 and not recompute_old
-
-    # -------------------------------------------------------------- 6. old and reference log-probs
-    tick = time.perf_counter()
-    with torch.no_grad():
-        for mb in (mb for mini in micro for mb in mini):
-            if not on_policy:
-                mb.old_logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=True)
-                totals.add_entropy(entropy, mb, device)
-            if reference is not None:
-                with lora.adapter_disabled(reference):
-                    mb.ref_logp, _ = logprobs(reference, mb, cfg, device, packed)
-    times["time/logprob"] = time.perf_counter() - tick
-
-    # -------------------------------------------------------------- 7. update: epochs x mini-batches
-    tick = time.perf_counter()
-    skipped = 0
-    for _ in range(cfg.train.epochs):
-        for step, mini in zip(plan, micro):
-            for k, mb in enumerate(mini):
-                start_micro_batch(engine, last=k == len(mini) - 1)
-                logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=on_policy)
-                if on_policy:
-                    mb.old_logp = logp.detach()
-                    totals.add_entropy(entropy, mb, device)
-                # Importance weights against the engine that sampled (cfg.correction); the mismatch is logged.
-                advantages, token_weights = rollout_correction(mb, cfg.correction, totals, device)
-                # Global normalisers of this optimiser step; DeepSpeed averages gradients over ranks, hence / world.
-                loss, metrics = policy_loss(
-                    logp, mb.old_logp, advantages, mb.loss_mask.to(device), cfg.loss,
-                    params.per_sequence(groups[mb.indices]), ref_logp=mb.ref_logp,
-                    num_seqs=step.num_seqs / dist.world_size, num_tokens=step.num_tokens / dist.world_size,
-                    token_weights=token_weights)
-                engine.backward(loss * mb.weight)
-                totals.add(metrics, mb)
-            engine.step()  # skipped by DeepSpeed, gradients cleared, when the gradient norm is not finite
-            skipped += not engine.was_step_applied()
-    times["time/update"] = time.perf_counter() - tick
-    return {**totals.reduce(device, dist.world_size, len(plan) * cfg.train.epochs), **times,
-            "optim/grad_norm": float(engine.get_global_grad_norm() or 0.0), "train/skipped_steps": skipped}
 
 
 def parse_args(argv=None) -> tuple[Config, str]:

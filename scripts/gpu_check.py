@@ -11,11 +11,11 @@ Covered (nothing here needs vLLM, which the GPU box we borrow cannot carry):
 - matmul_peak: a large matmul in the learner's dtype (bf16), the peak that MFU is measured against.
 - learner_gc, learner_no_gc: Qwen2.5-1.5B's shape, randomly initialised, under DeepSpeed ZeRO-2 in bf16 with
   micro_batch_tokens 16384 with gradient checkpointing, 4096 without (16384 would not fit in 80 GB): one
-  training step's learner part as launch/train.py runs it (its `train_on_batch`: old and reference log-probs, then the optimiser step). Tokens/s, MFU
-  and peak memory. MFU = 6 x parameters x tokens / update time / matmul peak (the LM head is counted for every
-  token, though only completion tokens go through it, and the recomputed forward of checkpointing is not
-  counted); `mfu_with_attention` adds causal attention's QK^T and AV products, 6 x layers x hidden x the sum of
-  squared row lengths per step.
+  training step's learner part as launch/train.py runs it (`train_on_batch` of apmpo/learner/step.py: old and
+  reference log-probs, then the optimiser step). Tokens/s, MFU and peak memory. MFU = 6 x parameters x tokens /
+  update time / matmul peak (the LM head is counted for every token, though only completion tokens go through it,
+  and the recomputed forward of checkpointing is not counted); `mfu_with_attention` adds causal attention's QK^T
+  and AV products, 6 x layers x hidden x the sum of squared row lengths per step.
 - loss: forward + backward of APMPO against GRPO at N=512 x T=2048, fp32 log-probs as the learner hands them
   (goal: APMPO <= 1.1x GRPO); torch.compile of the same call is measured beside it.
 - logprobs: peak memory of chunked log-probs + entropy (apmpo.learner.logprobs) against the naive full
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import math
 import multiprocessing
@@ -60,7 +59,6 @@ from typing import Callable, Iterator
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 # Qwen2.5-1.5B: its config.json, less what does not change the compute.
 QWEN25_15B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                   intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
@@ -251,7 +249,7 @@ def _installed(distribution: str) -> bool:
 
 def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_type: str | None = None,
                   zero_stage: int = 2) -> Outcome:
-    """Steps 6-7 of a training step (launch/train.py's `train_on_batch`) on a random Qwen2.5-1.5B-shaped model.
+    """Steps 6-7 of a training step (`train_on_batch`, apmpo/learner/step.py) on a random Qwen2.5-1.5B-shaped model.
     `communication_data_type` (train.communication_data_type): fp32 reduce-scatters the gradients in fp32. On one
     rank nothing crosses a wire: its figure is the cost of the casts, and a multi-GPU run adds twice the bytes.
     `zero_stage` 3: the weights are partitioned (on one rank, whole) and gathered a module at a time; the figure is
@@ -261,9 +259,9 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
     from apmpo.learner.batching import Rollout
     from apmpo.learner.zero3 import full_shape
     from apmpo.learner.engine import build_engine, init_distributed, load_model, partition_reference
+    from apmpo.learner.step import train_on_batch
     from apmpo.loss import adaptive_params, group_advantages
 
-    train_on_batch = _train_module().train_on_batch
     dist = init_distributed()
     model_dir = _random_model_dir(s)
     dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[s.dtype]
@@ -339,15 +337,6 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
                             f"({figures['mfu_with_attention']:.1%} with attention), peak memory {peak / GiB:.1f} GiB, "
                             f"{num_params / 1e6:,.1f}M params, {tokens} tokens per step, "
                             f"micro_batch_tokens {micro_batch_tokens}")
-
-
-def _train_module():
-    """launch/train.py as a module: its `train_on_batch` is the loop's steps 6-7."""
-    if "apmpo_train" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("apmpo_train", ROOT / "launch" / "train.py")
-        module = sys.modules["apmpo_train"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["apmpo_train"]
 
 
 _MODEL_DIRS: dict[Shapes, str] = {}

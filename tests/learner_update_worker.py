@@ -1,4 +1,4 @@
-"""Runs the learner's update (launch/train.py's `train_on_batch`, steps 6-7) on synthetic rollouts, no server.
+"""Runs the learner's update (`train_on_batch` of apmpo/learner/step.py, steps 6-7) on synthetic rollouts, no server.
 
     python tests/learner_update_worker.py SCENARIOS.json
     deepspeed --num_gpus 2 tests/learner_update_worker.py SCENARIOS.json
@@ -10,7 +10,6 @@ after the optimiser steps (gathered whole under ZeRO-3), what rank 0's weight pu
 bytes this rank holds, the gradient norm of each step, the step's metrics and the rollouts this rank trained on. tests/test_learner.py compares scenarios that split the same batch differently.
 """
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -23,17 +22,11 @@ from apmpo.learner import lora  # noqa: E402
 from apmpo.learner.batching import Rollout, plan_step  # noqa: E402
 from apmpo.learner.engine import build_engine, close_distributed, init_distributed  # noqa: E402
 from apmpo.learner.logprobs import shares_prompts  # noqa: E402
+from apmpo.learner.step import train_on_batch  # noqa: E402
 from apmpo.learner.zero3 import WholeWeights, gathered_parameters, is_partitioned  # noqa: E402
 from apmpo.loss import adaptive_params, group_advantages  # noqa: E402
 from apmpo.rollout.weight_sync import StreamedTensors  # noqa: E402
 from apmpo.tiny import build_model, build_tokenizer  # noqa: E402
-
-
-def load_train_module():
-    spec = importlib.util.spec_from_file_location("apmpo_train", Path(__file__).resolve().parents[1] / "launch" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def synthetic_rollouts(num_groups: int, group_size: int, vocab: int, seed: int = 0):
@@ -57,13 +50,12 @@ def main():
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     dist = init_distributed()
-    train = load_train_module()
     for scenario in json.loads(Path(args.scenarios).read_text()):
-        run_scenario(train, dist, **scenario)
+        run_scenario(dist, **scenario)
     close_distributed()
 
 
-def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool = False,  # noqa: A002
+def run_scenario(dist, out: str, set: list[str] = (), recompute_old: bool = False,  # noqa: A002
                  nan_advantage: bool = False, no_rollouts: bool = False, alike_groups: list[int] = (),
                  tiny_advantage: bool = False) -> None:
     """recompute_old: old log-probs by a separate forward. nan_advantage: fault injection, rollout 0's advantage is
@@ -101,8 +93,8 @@ def run_scenario(train, dist, out: str, set: list[str] = (), recompute_old: bool
                      packed=shares_prompts(engine.module), skip_zero_advantage=cfg.loss.kl_beta == 0)  # as train_on_batch plans it
     grad_norms = []
     engine.step = _recording(engine.step, engine, grad_norms)
-    metrics = train.train_on_batch(engine, reference, rollouts, params, cfg, dist, tokenizer.pad_token_id, seed=0,
-                                   recompute_old=recompute_old)
+    metrics = train_on_batch(engine, reference, rollouts, params, cfg, dist, tokenizer.pad_token_id, seed=0,
+                             recompute_old=recompute_old)
     Path(out).mkdir(parents=True, exist_ok=True)
     weights = WholeWeights(engine.module, engine, dist.rank, dist.world_size)
     if dist.is_main and cfg.model.lora is not None:

@@ -122,8 +122,7 @@ root = Path.cwd()
 spec = importlib.util.spec_from_file_location("gpu_check", "scripts/gpu_check.py")
 g = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(g)
-g._train_module()
-import benchmarks.loss_overhead, apmpo.learner.logprobs, apmpo.rollout.weight_sync  # what the checks import inside
+import benchmarks.loss_overhead, apmpo.learner.step, apmpo.learner.logprobs, apmpo.rollout.weight_sync  # what the checks import inside
 files = {Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
 roots = set()
 for f in (f for f in files if f.is_relative_to(root) and f.suffix == ".py" and f.is_file()

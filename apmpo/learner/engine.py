@@ -281,7 +281,7 @@ def deepspeed_config(cfg: Config, dist: Dist) -> dict:
         "zero_optimization": {"stage": cfg.train.zero_stage, "overlap_comm": dist.device.type == "cuda",
                               "contiguous_gradients": True, **zero_extras(cfg, dist)},
         # A non-finite gradient norm skips the step and clears the gradients (DeepSpeed does so in fp32 always,
-        # in bf16 only when asked): launch/train.py counts the skips.
+        # in bf16 only when asked): train_on_batch counts the skips.
         "bf16": {"enabled": cfg.model.dtype == "bf16", "check_grad_overflow": True},
         # Micro-batch gradients are summed in fp32: a step has ~60 micro-batches at paper scale, and a bf16 sum
         # (DeepSpeed's default, the model's dtype) loses 2^-9 relative per addition.

@@ -64,7 +64,7 @@ def token_logprobs(
     model_inputs: passed on to the backbone (`pixel_values`, `image_grid_thw`, `position_ids`, ...).
     share_prompts: rows that share a prompt run it once, their completions packed (values and gradients equal);
     None: wherever the model allows it (`shares_prompts`) and there are no model_inputs. A training step decides
-    it once, for its plan and its forwards alike (launch/train.py).
+    it once, for its plan and its forwards alike (apmpo/learner/step.py).
     Returns logp [N, L] fp32 (0 where not scored; differentiable when grad is enabled) and, with
     `with_entropy`, the entropy [N, L] fp32 of the temperature-scaled next-token distribution at the same
     positions (0 elsewhere; detached), else None.

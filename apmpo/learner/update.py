@@ -1,4 +1,4 @@
-"""The pieces of a training step's update that launch/train.py's loop calls on every rank: log-probs of a
+"""The pieces of a training step's update that `train_on_batch` (step.py) calls on every rank: log-probs of a
 micro-batch, rollout-correction weights against the engine, and the step's metric sums (one all-reduce at the end)."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ADDITIVE = ("loss/total", "loss/policy", "loss/kl")
 
 
 def logprobs(model, mb: MicroBatch, cfg: Config, device, packed: bool, with_entropy: bool = False):
-    """`packed`: the step's decision (launch/train.py), which its plan of micro-batches was made for."""
+    """`packed`: the step's decision (train_on_batch), which its plan of micro-batches was made for."""
     return token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device),
                           temperature=cfg.rollout.temperature, chunk_tokens=cfg.train.logprob_chunk_tokens,
                           with_entropy=with_entropy, share_prompts=packed,
