@@ -40,8 +40,6 @@ setup(
         "tensorboard",
         # Math equivalence is a hard problem with many traps; math-verify is maintained and tested.
         "math-verify>=0.7",
-        # apmpo.study's intervals at a few seeds: Student-t, chi-square and beta quantiles (apmpo/study/stats.py).
-        "scipy",
     ],
     extras_require={
         # The engine, one of the two; both install the same `vllm` module. Versions checked against

@@ -77,3 +77,21 @@ def test_planned_seeds_give_the_half_width_and_cover(draw):
     assert abs(half - target) / target < 0.10, half
     assert 0.93 <= covered <= 0.97, covered
     assert n == 38  # 2.02619 * 6 / sqrt(38) = 1.9722; at 37, 2.02809 * 6 / sqrt(37) = 2.0005
+
+
+@pytest.mark.parametrize("df, q", [(1, 12.7062), (2, 4.3027), (5, 2.5706), (10, 2.2281), (30, 2.0423),
+                                   (100, 1.9840)])
+def test_t_quantiles_match_the_tables(df, q):
+    assert stats.t_quantile(0.95, df) == pytest.approx(q, abs=1e-4)
+
+
+@pytest.mark.parametrize("n, q", [(2, 0.064185), (6, 2.342534), (21, 14.578439)])
+def test_chi_square_quantiles_match_the_tables(n, q):
+    # sd_bound inverts chi-square(0.2, n - 1): sd * sqrt((n - 1) / q)
+    assert stats.sd_bound(1.0, n) == pytest.approx(math.sqrt((n - 1) / q), rel=1e-4)
+
+
+def test_clopper_pearson_matches_the_tables():
+    # 3 of 10: the exact 95% interval is [0.0667, 0.6525]
+    i = stats.improvement([1, 1, 1] + [-1] * 7)
+    assert (i.low, i.high) == pytest.approx((0.0667, 0.6525), abs=1e-4)

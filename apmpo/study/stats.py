@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
-from scipy import stats
 
 LEVEL = 0.95
 
@@ -52,8 +52,8 @@ def paired_t(d: list[float] | np.ndarray, level: float = LEVEL) -> Interval:
 
 
 def t_quantile(level: float, df: int) -> float:
-    """The two-sided critical value: P(|T_df| <= q) = level."""
-    return float(stats.t.ppf((1 + level) / 2, df))
+    """The two-sided critical value: P(|T_df| <= q) = level. P(|T| > q) = I_{df/(df+q^2)}(df/2, 1/2)."""
+    return _solve(lambda q: 1 - _betainc(df / 2, 0.5, df / (df + q * q)), level, 0.0, 1e4)
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,8 @@ def improvement(d: list[float] | np.ndarray, level: float = LEVEL) -> Improvemen
         raise ValueError("no paired seeds")
     wins = float((d > 0).sum() + 0.5 * (d == 0).sum())
     alpha = 1 - level
-    low = 0.0 if wins == 0 else float(stats.beta.ppf(alpha / 2, wins, n - wins + 1))
-    high = 1.0 if wins == n else float(stats.beta.ppf(1 - alpha / 2, wins + 1, n - wins))
+    low = 0.0 if wins == 0 else _solve(lambda x: _betainc(wins, n - wins + 1, x), alpha / 2, 0.0, 1.0)
+    high = 1.0 if wins == n else _solve(lambda x: _betainc(wins + 1, n - wins, x), 1 - alpha / 2, 0.0, 1.0)
     return Improvement(wins / n, low, high, n)
 
 
@@ -87,7 +87,7 @@ def seeds_needed(sd: float, halfwidth: float, level: float = LEVEL) -> int:
         raise ValueError(f"the half-width must be > 0, got {halfwidth}")
     if sd == 0:
         return 2
-    n = max(2, math.ceil((stats.norm.ppf((1 + level) / 2) * sd / halfwidth) ** 2))  # z's n: t's is no smaller
+    n = max(2, math.ceil((NormalDist().inv_cdf((1 + level) / 2) * sd / halfwidth) ** 2))  # z's n: t's no smaller
     while t_quantile(level, n - 1) * sd / math.sqrt(n) > halfwidth:
         n += 1
     return n
@@ -98,7 +98,80 @@ def sd_bound(sd: float, n: int, confidence: float = 0.8) -> float:
     chi-square with n-1 degrees of freedom under normality."""
     if n < 2:
         raise ValueError(f"an sd from {n} value(s) has no bound")
-    return sd * math.sqrt((n - 1) / stats.chi2.ppf(1 - confidence, n - 1))
+    k = n - 1  # the chi-square quantile q: P(k/2, q/2) = 1 - confidence, P the regularized lower gamma
+    return sd * math.sqrt(k / _solve(lambda q: _gammainc(k / 2, q / 2), 1 - confidence, 0.0, 100.0 * k + 100.0))
+
+
+# ---------------------------------------------------------------------------- the distributions, by hand
+# Three quantiles are all the study needs; scipy would give them, but with scipy installed vLLM imports
+# scipy.signal in every server process (vllm/multimodal/audio.py). Numerical Recipes' continued fractions, solved
+# by bisection: to 1e-12, checked against tables in tests/test_study_stats.py.
+
+
+def _solve(cdf, p: float, low: float, high: float) -> float:
+    """x in [low, high] with cdf(x) = p, cdf increasing."""
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1) / (a + b + 2):  # the continued fraction converges fast below this point: use the symmetry
+        return 1 - front * _beta_fraction(b, a, 1 - x) / b
+    return front * _beta_fraction(a, b, x) / a
+
+
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    tiny = 1e-300
+    c, d = 1.0, 1 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + numerator * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return h
+
+
+def _gammainc(a: float, x: float) -> float:
+    """The regularized lower incomplete gamma function P(a, x)."""
+    if x <= 0:
+        return 0.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:  # the series
+        term = total = 1 / a
+        for n in range(1, 1000):
+            term *= x / (a + n)
+            total += term
+            if abs(term) < abs(total) * 1e-16:
+                break
+        return total * math.exp(log_front)
+    tiny = 1e-300  # the continued fraction of Q = 1 - P
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for n in range(1, 1000):
+        an = -n * (n - a)
+        b += 2
+        d = an * d + b
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = b + an / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        if abs(d * c - 1) < 1e-16:
+            break
+    return 1 - math.exp(log_front) * h
 
 
 @dataclass(frozen=True)
