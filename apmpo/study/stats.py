@@ -15,6 +15,7 @@ and samples. Over n seeds:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -51,6 +52,7 @@ def paired_t(d: list[float] | np.ndarray, level: float = LEVEL) -> Interval:
     return Interval(mean, mean - half, mean + half, n, sd, level)
 
 
+@functools.lru_cache(maxsize=None)
 def t_quantile(level: float, df: int) -> float:
     """The two-sided critical value: P(|T_df| <= q) = level. P(|T| > q) = I_{df/(df+q^2)}(df/2, 1/2)."""
     return _solve(lambda q: 1 - _betainc(df / 2, 0.5, df / (df + q * q)), level, 0.0, 1e4)
