@@ -768,6 +768,8 @@ def _check_type(value: Any, hint: Any, key: str, source: str) -> Any:
                 errors.append(exc)
         raise errors[0]
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            value = "on" if value else "off"  # YAML 1.1 reads an unquoted off/on (and no/yes) as a boolean
         if value not in args:
             raise ConfigError(f"{source}: {key} must be one of {list(args)}, got {value!r}")
         return value

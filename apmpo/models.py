@@ -17,7 +17,8 @@ happens in a temporary folder beside the cache entry, renamed into place only on
 names its cause and leaves nothing behind.
 
 The cache knows its own files: the marker records each file's size and sha256. `resolve` (the config check, the
-learner, eval) refuses an entry with a file missing or of another size, and with `verify=True` (the config check and
+learner, eval) refuses an entry with a file missing, of another size or that the fetch did not write (loaders take
+files by pattern: vLLM loads every *.safetensors of a folder, so a stray one changes the model), and with `verify=True` (the config check and
 eval, once per run: 0.4-0.5 s for SmolLM2's 542 MB on the 2-core machine) one whose bytes differ, naming the file
 and the remedy: `python -m apmpo.models fetch NAME`, which replaces a damaged entry with a fresh fetch.
 
@@ -120,7 +121,7 @@ _HASHED: dict[Path, tuple] = {}
 
 def check_files(name: str, hashes: bool = False) -> None:
     """Raises CacheError unless the cache entry of `name` holds every file its marker records, of the recorded
-    size, and with `hashes` of the recorded sha256."""
+    size, and no other, and with `hashes` of the recorded sha256."""
     entry = model_dir(name)
     remedy = f"run `python -m apmpo.models fetch {name}`"
     if not is_fetched(name):
@@ -130,6 +131,11 @@ def check_files(name: str, hashes: bool = False) -> None:
     except (ValueError, KeyError, TypeError):
         raise CacheError(f"the cache entry {entry} has no record of its files (fetched by an older apmpo, or its "
                          f"{MARKER} is damaged): {remedy} to fetch it again") from None
+    extra = sorted({str(f.relative_to(entry)) for f in entry.rglob("*") if f.is_file()} - {*files, MARKER})
+    if extra:
+        raise CacheError(f"the cache entry of {name!r} holds {', '.join(extra)}, which the fetch did not write (a "
+                         f"loader may read it: vLLM loads every *.safetensors of a folder): {remedy} to fetch it "
+                         "again, or remove it")
     stats = []
     for relative, record in files.items():
         path = entry / relative

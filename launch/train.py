@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from apmpo import dirlock
 from apmpo.config import Config, ConfigError, load_config, native_bf16
-from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
+from apmpo.learner.checkpoint import check_zero_stage, resume as resume_checkpoint, save_checkpoint
 from apmpo.learner.driver import Driver
 from apmpo.learner.engine import (build_engine, check_devices, close_distributed, init_distributed, load_model,
                                   partition_reference)
@@ -140,7 +140,9 @@ def parse_args(argv=None) -> tuple[Config, str]:
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
     check_devices(cfg)
-    return cfg, args.resume or cfg.train.resume
+    resume = args.resume or cfg.train.resume
+    check_zero_stage(cfg.run_dir, resume, cfg.train.zero_stage)
+    return cfg, resume
 
 
 if __name__ == "__main__":

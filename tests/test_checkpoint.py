@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from apmpo.config import ConfigError
+from apmpo.learner.checkpoint import check_zero_stage, saved_zero_stage
 from apmpo.rollout.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,3 +92,30 @@ def test_rank_zero_decides_the_resume_checkpoint(tmp_path):
     assert ("cannot resume: rank(s) [1] cannot read checkpoint 'step_2', which rank 0 resumes from (rank 1 looked "
             f"in {tmp_path / 'node1' / 'checkpoints' / 'step_2'}); multi-node runs need a run directory shared") in output
     assert not (tmp_path / "out_local").exists()
+
+
+def test_a_checkpoint_resumes_only_under_a_zero_stage_that_can_load_it(quickstart_run, tmp_path):
+    """The quickstart's checkpoints are ZeRO-2's. Stage 1 shares their layout (DeepSpeed loads one into the other);
+    stage 3 partitions the module too and stage 0 keeps the optimiser state in the module's file, and DeepSpeed's
+    load failed on those with a bare AssertionError or a missing file. tests/test_zero3.py: the CLI, from stage 3."""
+    latest = quickstart_run / "checkpoints" / "step_4"
+    assert saved_zero_stage(latest) == 2
+    for stage in (1, 2):
+        check_zero_stage(quickstart_run, "auto", stage)
+    for stage in (0, 3):
+        with pytest.raises(ConfigError, match=rf"^train.zero_stage={stage} cannot resume checkpoint {latest}: it holds "
+                                              r"ZeRO stage 2, .*resume with --set train.zero_stage=2, or start over"):
+            check_zero_stage(quickstart_run, "auto", stage)
+    check_zero_stage(quickstart_run, "never", 3)  # nothing is loaded
+    # Saved before the stage was recorded: the files tell stage 3 apart, not 0, 1 and 2 (bf16 ZeRO-0 partitions
+    # its optimiser state too), so only stage 3 is refused.
+    legacy = tmp_path / "step_4"
+    shutil.copytree(latest, legacy, ignore=shutil.ignore_patterns("hf"))
+    state = json.loads((legacy / "trainer_state.json").read_text())
+    del state["zero_stage"]
+    (legacy / "trainer_state.json").write_text(json.dumps(state))
+    assert saved_zero_stage(legacy) is None
+    check_zero_stage(quickstart_run, str(legacy), 0)
+    with pytest.raises(ConfigError, match=r"it holds ZeRO stage 0, 1 or 2, whose DeepSpeed state stage 3 cannot "
+                                          r"load; start over with train.resume=never"):
+        check_zero_stage(quickstart_run, str(legacy), 3)

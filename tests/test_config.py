@@ -208,6 +208,20 @@ def test_tis_with_truncated_sampling_is_refused():
     assert load_config(None, ["rollout.top_p=0.9"]).rollout.top_p == 0.9  # mode off: nothing to bias
 
 
+def test_an_unquoted_off_is_the_choice_off(tmp_path):
+    # YAML 1.1 reads `mode: off` as False, which was refused: "correction.mode must be one of ['off', 'tis',
+    # 'mis'], got False". A boolean is taken for the choice "off" (or "on") where a field offers it.
+    config = tmp_path / "off.yaml"
+    config.write_text("correction:\n  mode: off\n")
+    assert load_config(config).correction.mode == "off"
+    assert load_config(config, ["correction.mode=tis", "correction.mode=no"]).correction.mode == "off"
+    # No "on" among the choices: a true is still refused, with the choices named.
+    with pytest.raises(ConfigError, match=r"correction.mode must be one of \['off', 'tis', 'mis'\], got True"):
+        load_config(None, ["correction.mode=on"])
+    with pytest.raises(ConfigError, match=r"train.offload_optimizer must be one of \['none', 'cpu'\], got False"):
+        load_config(None, ["train.offload_optimizer=off"])
+
+
 def test_dr_grpo_budget_defaults_to_the_generation_budget():
     assert load_config(None, ["loss.name=dr_grpo", "rollout.max_tokens=512"]).loss.token_budget == 512
     assert load_config(None, ["loss.name=dr_grpo"]).loss.token_budget == 1024  # rollout.max_tokens' default

