@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apmpo.study import report
-from apmpo.study.__main__ import (BUILTIN_VARIANTS, Settings, StudyError, load_study, method_overrides, save_study,
-                                  parse_parallel, parse_variant, saved_methods)
+from apmpo.study import records, report
+from apmpo.study.__main__ import (BUILTIN_VARIANTS, Settings, StudyError, check_overrides, load_study, main,
+                                  method_overrides, parse_args, parse_parallel, parse_variant, parse_variants,
+                                  plan_runs, save_study, saved_methods)
+from apmpo.study.records import RecordError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,20 +100,31 @@ def test_iqm_trims_a_quarter_at_each_end():
     assert report.iqm([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0]) == 1.0
 
 
-def fake_result(method, seed, correct, n=4, validation=((5, 0.2), (10, 0.4))):
+def fake_result(method, seed, correct, n=4, validation=((5, 0.2), (10, 0.4)), overrides=None):
     """A result.json as the runner writes it, for one benchmark "b" (per-problem correct counts out of n)."""
-    ev = {"step": 10, "n": n, "k": [1, n], "benchmarks": {"b": {"correct": correct}}}
-    return {"method": method, "seed": seed, "overrides": [f"loss.name={method}"], "steps": 10,
-            "validation": [list(v) for v in validation], "seconds": 60.0, "eval": {"last": ev, "best": ev}}
+    ev = {"step": 10, "n": n, "k": [1, n],
+          "benchmarks": {"b": {"correct": correct, "pass@1": sum(correct) / (n * len(correct)), "mean_tokens": 9.5}}}
+    return {"method": method, "seed": seed,
+            "overrides": [f"loss.name={method}"] if overrides is None else overrides, "steps": 10,
+            "validation_key": "val/b/pass@1", "validation": [list(v) for v in validation], "train_seconds": 50.0,
+            "seconds": 60.0, "eval": {"last": ev, "best": ev}}
 
 
-def test_build_pairs_runs_by_seed_and_reports_pass_at_k():
-    results = {
-        "grpo": {0: fake_result("grpo", 0, [0, 4, 2]), 1: fake_result("grpo", 1, [1, 1, 1]),
-                 2: fake_result("grpo", 2, [4, 4, 4])},
-        "apmpo": {0: fake_result("apmpo", 0, [4, 4, 2]), 1: fake_result("apmpo", 1, [1, 1, 1])},  # no seed 2
-    }
-    built = report.build(results, ["apmpo", "grpo"], "grpo", resamples=200)
+def write_run(study, result, loss=None, folder=None):
+    """A finished run in study/runs/METHOD/seed_S (or `folder`): its result.json, and the config.yaml the learner
+    writes, cut to what the report reads (the loss it trained: `loss`, else the method's name)."""
+    run_dir = study / "runs" / (folder or f"{result['method']}/seed_{result['seed']}")
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text(json.dumps(result))
+    (run_dir / "config.yaml").write_text(f"loss:\n  name: {loss or result['method']}\n")
+    return run_dir / "result.json"
+
+
+def test_build_pairs_runs_by_seed_and_reports_pass_at_k(tmp_path):
+    for method, seed, correct in [("grpo", 0, [0, 4, 2]), ("grpo", 1, [1, 1, 1]), ("grpo", 2, [4, 4, 4]),
+                                  ("apmpo", 0, [4, 4, 2]), ("apmpo", 1, [1, 1, 1])]:  # apmpo: no seed 2
+        write_run(tmp_path, fake_result(method, seed, correct))
+    built = report.build(records.load_results(tmp_path), ["apmpo", "grpo"], "grpo", resamples=200)
     apmpo = built["checkpoints"]["last"]["apmpo"]
     # pass@1 per run: seed 0 (4+4+2)/12 = 10/12, seed 1 3/12; mean 13/24
     assert apmpo["benchmarks"]["b"]["pass@1"]["per_run"] == pytest.approx([10 / 12, 3 / 12])
@@ -127,6 +140,165 @@ def test_build_pairs_runs_by_seed_and_reports_pass_at_k():
     text = report.render(built)
     assert "| apmpo | 2 | 54.2 ± 41.2 |" in text  # 13/24 = 54.2%; the std of 83.3 and 25.0 is 41.2
     assert vs["ahead"] == 1 and "| 1/2 |" in text  # seed 0 won (10/12 against 6/12), seed 1 tied
+    assert built["methods"]["apmpo"]["loss"] == "apmpo" and "| apmpo | 0, 1 | apmpo | loss.name=apmpo |" in text
+
+
+# ---------------------------------------------------------------------------- records
+
+
+def test_a_record_counts_in_its_own_folder_only(tmp_path):
+    # grpo's folder holding apmpo's record showed apmpo with grpo's numbers; seed 7's holding seed 0's, nothing
+    write_run(tmp_path, fake_result("grpo", 0, [1, 2]))
+    stray = write_run(tmp_path, fake_result("apmpo", 0, [4, 4]), folder="grpo/seed_1")
+    with pytest.raises(RecordError, match=f"{stray}: the record of apmpo seed 0, in the folder of grpo seed 1"):
+        records.load_results(tmp_path)
+    stray.parent.joinpath("result.json").write_text(json.dumps(fake_result("grpo", 0, [4, 4])))
+    with pytest.raises(RecordError, match=f"{stray}: the record of grpo seed 0, in the folder of grpo seed 1"):
+        records.load_results(tmp_path)
+
+
+def test_the_report_shows_the_loss_each_method_trained_and_refuses_another_under_a_losss_name(tmp_path):
+    # a variant without loss.name trains the base config's loss: the report says which
+    write_run(tmp_path, fake_result("mine", 0, [1, 2], overrides=["loss.gamma=1"]), loss="grpo")
+    write_run(tmp_path, fake_result("pmpo_only", 0, [1, 2], overrides=list(BUILTIN_VARIANTS["pmpo_only"])),
+              loss="apmpo")
+    built = report.build(records.load_results(tmp_path), ["mine"], "mine", resamples=10)
+    assert built["methods"]["mine"]["loss"] == "grpo" and built["methods"]["pmpo_only"]["loss"] == "apmpo"
+    assert "| mine | 0 | grpo | loss.gamma=1 |" in report.render(built)
+    # its seeds trained different losses (the base config changed under it)
+    write_run(tmp_path, fake_result("mine", 1, [1, 2], overrides=["loss.gamma=1"]), loss="apmpo")
+    with pytest.raises(RecordError, match=r"mine/seed_1/config.yaml: trained loss.name=apmpo, but .*mine/seed_0/"
+                                          r"config.yaml of the same method trained grpo"):
+        records.load_results(tmp_path)
+    # `--variant "grpo: loss.kl_beta=0.001"` trained the base config's apmpo in runs/grpo (issue 55)
+    for method, loss in (("grpo", "apmpo"), ("dapo", "grpo"), ("fac_only", "grpo")):
+        other = tmp_path / method
+        write_run(other, fake_result(method, 0, [1, 2], overrides=["loss.kl_beta=0.001"]), loss=loss)
+        with pytest.raises(RecordError, match=f"{other}/runs/{method}/seed_0/config.yaml: the run trained "
+                                              f"loss.name={loss}, but the method {method} is loss.name="):
+            records.load_results(other)
+
+
+@pytest.mark.parametrize("name, broken, error", [
+    ("empty", lambda text: "", "Invalid JSON: EOF"),
+    ("truncated", lambda text: text[:len(text) // 2], "Invalid JSON"),
+    ("no eval", lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "eval"}),
+     "eval: Field required"),
+    ("nan seconds", lambda text: text.replace('"seconds": 60.0', '"seconds": NaN'),
+     "seconds: Input should be a finite"),
+    ("inf validation", lambda text: text.replace("0.4]", "Infinity]"), "validation.1.1: Input should be a finite"),
+    ("a seed as text", lambda text: text.replace('"seed": 0', '"seed": "0"'), "seed: Input should be a valid integer"),
+    ("more correct than n", lambda text: text.replace("[1, 2]", "[1, 5]"), "a problem has 5 correct samples of n = 4"),
+])
+def test_a_broken_result_is_an_error_naming_the_file(tmp_path, capsys, name, broken, error):
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"grpo": ("loss.name=grpo",)})
+    path = write_run(tmp_path, fake_result("grpo", 0, [1, 2]))
+    path.write_text(broken(path.read_text()))
+    with pytest.raises(RecordError, match=f"{path}: not a valid result.json"):
+        records.load_results(tmp_path)
+    assert main(["--out", str(tmp_path), "--report"]) == 2  # as the CLI: exit 2 and a line, no traceback
+    assert f"apmpo.study: {path}: not a valid result.json (" in capsys.readouterr().err
+    with pytest.raises(RecordError, match=error):
+        records.load_results(tmp_path)
+
+
+def test_runs_evaluated_on_other_problems_are_an_error_not_a_numpy_one(tmp_path):
+    write_run(tmp_path, fake_result("grpo", 0, [1, 2]))
+    other = write_run(tmp_path, fake_result("grpo", 1, [1, 2, 3]))
+    with pytest.raises(RecordError, match=rf"{other}: its last evaluation holds .*'problems': {{'b': 3}}}}, but "
+                                          r".*seed_0/result.json holds .*'problems': {'b': 2}}"):
+        records.load_results(tmp_path)
+
+
+def test_broken_study_and_elapsed_files_are_errors_naming_them(tmp_path, capsys):
+    settings = Settings("configs/quickstart.yaml")
+    save_study(tmp_path, settings, {"grpo": ("loss.name=grpo",)})
+    study = tmp_path / "study.json"
+    good = study.read_text()
+    for text, error in (("", "EOF while parsing"), (good.replace('"eval_n": 16', '"eval_n": 1.5'), "eval_n"),
+                        (good.replace('"methods"', '"method"'), "methods: Field required")):
+        study.write_text(text)
+        assert main(["--out", str(tmp_path), "--report"]) == 2
+        assert f"{study}: not a valid study.json (" in capsys.readouterr().err
+        with pytest.raises(RecordError, match=error):
+            saved_methods(tmp_path)
+    study.write_text(good)
+    # a torn elapsed.json stops the study before anything runs, rather than count the run's time so far as lost
+    elapsed = tmp_path / "runs" / "grpo" / "seed_0" / "elapsed.json"
+    elapsed.parent.mkdir(parents=True)
+    for text in ('{"seconds": 12.', '{"seconds": NaN}', '{"seconds": -1}'):
+        elapsed.write_text(text)
+        with pytest.raises(RecordError, match=f"{elapsed}: not a valid elapsed.json"):
+            plan_runs(tmp_path, settings, {"grpo": ("loss.name=grpo",)}, ["grpo"], [0])
+    elapsed.write_text('{"seconds": 12.5}')
+    assert plan_runs(tmp_path, settings, {"grpo": ("loss.name=grpo",)}, ["grpo"], [0])[0].before == 12.5
+
+
+def test_the_committed_study_loads_and_reports_its_numbers():
+    """studies/smollm2_arith, written before the schema: every record reads, and the report's numbers (all but the
+    bootstrap intervals, which depend on the resample count) are those of its committed report.json."""
+    study = ROOT / "studies" / "smollm2_arith"
+    methods = saved_methods(study)
+    assert len(methods) == 11 and methods["pmpo_only"] == BUILTIN_VARIANTS["pmpo_only"]
+    results = records.load_results(study)
+    assert sum(map(len, results.values())) == 36
+    built = report.build(results, list(methods), "grpo", resamples=10)
+    committed = json.loads((study / "report.json").read_text())
+
+    def numbers(part):
+        if isinstance(part, dict):
+            return {k: numbers(v) for k, v in part.items()
+                    if k not in ("vs_reference", "auc_vs_reference", "resamples", "loss")}
+        return part
+
+    assert numbers(built) == numbers(committed)
+    assert {m: info["loss"] for m, info in built["methods"].items()} == {
+        "apmpo": "apmpo", "apmpo_bf16": "apmpo", "grpo": "grpo", "dapo": "dapo", "gmpo": "gmpo",
+        "learner_bf16": "apmpo", "engine_bf16": "apmpo", "apmpo_bf16_dither": "apmpo", "apmpo_bf16_tis": "apmpo",
+        "pmpo_only": "apmpo", "fac_only": "apmpo"}
+
+
+def test_a_write_is_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "study.json"
+    records.write_atomic(path, "old\n")
+    # A write that fails (a lone surrogate cannot be encoded): the old content stays whole, where an in-place write
+    # had truncated the file first, and nothing is left beside it
+    with pytest.raises(UnicodeEncodeError):
+        records.write_atomic(path, "new" + "\ud800")
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["study.json"]
+    records.write_atomic(path, "new\n")
+    assert path.read_text() == "new\n"
+
+
+def test_a_killed_attempts_time_is_kept(tmp_path):
+    """kill -9 of a study in a run's training: the attempt's time so far is in elapsed.json (rewritten at every 2-s
+    poll), and the next attempt counts from it. Before, it was written only when a process ended: 22 s of a
+    killed attempt were lost (issue 55)."""
+    script = """
+import sys
+from pathlib import Path
+from apmpo.config import load_config
+from apmpo.study import __main__ as study
+# A fake for speed: a run whose training is a sleep, killed in it
+study.commands = lambda run, settings, slot: iter([("training", ["sleep", "600"], None)])
+run = study.Run("grpo", 0, (), (), Path(sys.argv[1]), load_config("configs/quickstart.yaml"), before=30.0)
+study.run_all([run], study.Settings("configs/quickstart.yaml"), [study.Slot()], print)
+"""
+    run_dir = tmp_path / "runs" / "grpo" / "seed_0"
+    elapsed = run_dir / "elapsed.json"
+    process = subprocess.Popen([sys.executable, "-c", script, str(run_dir)], cwd=ROOT, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (elapsed.is_file() and json.loads(elapsed.read_text())["seconds"]
+                                                   >= 33):
+            time.sleep(0.2)
+    finally:
+        process.kill()
+        process.wait()
+    seconds = json.loads(elapsed.read_text())["seconds"]
+    assert 33 <= seconds < 40  # the 30 s of earlier attempts, and this one's 3 s and more
+    settings = Settings("configs/quickstart.yaml")
+    assert plan_runs(tmp_path, settings, {"grpo": ("loss.name=grpo",)}, ["grpo"], [0])[0].before == seconds
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -143,6 +315,66 @@ def test_methods_and_variants():
     assert method_overrides("mine", {"mine": ("loss.gamma=1",)}) == ("loss.gamma=1",)
     with pytest.raises(StudyError, match="neither a loss"):
         method_overrides("gpro", {})
+
+
+def test_a_method_is_what_its_name_says(tmp_path, capsys):
+    # issue 55: `--variant "grpo: loss.kl_beta=0.001"` trained the base config's loss (apmpo) as grpo
+    for text in ("grpo: loss.kl_beta=0.001", "dapo: loss.name=grpo", "pmpo_only: loss.fac=false",
+                 "gspo: loss.name=gspo"):
+        with pytest.raises(StudyError, match=f"'{text.split(':')[0]}' is a built-in method .*a name of its own"):
+            parse_variants([text])
+    with pytest.raises(StudyError, match="--variant 'mine' is given twice"):
+        parse_variants(["mine: loss.gamma=1", "mine: loss.gamma=2"])
+    assert parse_variants(["mine: loss.gamma=1", "kl: loss.kl_beta=0.01"]) == {
+        "mine": ("loss.gamma=1",), "kl": ("loss.kl_beta=0.01",)}
+    # a built-in name means the built-in whatever a study.json records under it (an older apmpo let a variant take
+    # it): its runs are refused as trained otherwise
+    assert method_overrides("grpo", {"grpo": ("loss.kl_beta=0.001",)}) == ("loss.name=grpo",)
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"grpo": ("loss.kl_beta=0.001",)})
+    with pytest.raises(StudyError, match=r"'grpo' .* was trained with \['loss.kl_beta=0.001'\], not \['loss.name="):
+        load_study(tmp_path, None, {"grpo": method_overrides("grpo", saved_methods(tmp_path))})
+    # as the CLI: exit 2 before anything is written
+    out = tmp_path / "new"
+    assert main(["--config", "configs/quickstart.yaml", "--out", str(out), "--methods", "grpo",
+                 "--variant", "grpo: loss.kl_beta=0.001"]) == 2
+    assert "'grpo' is a built-in method (loss.name=grpo)" in capsys.readouterr().err and not out.exists()
+
+
+def test_an_override_the_study_would_replace_is_refused(tmp_path, capsys):
+    grpo = {"grpo": ("loss.name=grpo",)}
+    # --set comes after the method's overrides: grpo would train apmpo
+    for shared in ("loss.name=apmpo", "loss={name: apmpo}"):
+        with pytest.raises(StudyError, match=f"--set '{shared}' would replace grpo's own 'loss.name=grpo'"):
+            check_overrides(grpo, (shared,))
+    with pytest.raises(StudyError, match="would replace lr2's own 'optim.lr=0.002'"):
+        check_overrides({"lr2": ("optim.lr=0.002",)}, ("optim.lr=0.001",))
+    # keys the study sets per run
+    for key in ("train.seed", "data.seed", "train.resume", "logging.run_name", "logging.output_dir",
+                "checkpoint.keep_best", "checkpoint.save_every"):
+        with pytest.raises(StudyError, match=f"--set '{key}=3': the study sets {key.split('.')[0]}"):
+            check_overrides({}, (f"{key}=3",))
+        with pytest.raises(StudyError, match=f"method mine's '{key}=3': the study sets"):
+            check_overrides({"mine": (f"{key}=3",)}, ())
+    with pytest.raises(StudyError, match="the study sets train.seed"):
+        check_overrides({}, ("train={seed: 3}",))
+    # what a --set may do: a key no method sets, the loss of a variant that sets none, logging the user chooses
+    check_overrides({"mine": ("loss.gamma=1",), "lr2": ("optim.lr=0.002",)},
+                    ("train.steps=4", "loss.name=grpo", "logging.wandb=true", "training.x=1"))
+    assert main(["--config", "configs/quickstart.yaml", "--out", str(tmp_path / "s"), "--methods", "grpo",
+                 "--set", "data.seed=3"]) == 2
+    assert "--set 'data.seed=3': the study sets data.seed for every run" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_method_or_seed_named_twice_is_refused(capsys):
+    # `--methods grpo,grpo` trained, evaluated and pruned grpo seed 0, then trained it again in the same folder
+    for argv, twice in ((["--methods", "grpo,apmpo,grpo"], "grpo"), (["--seeds", "0,1,0"], "0")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--out", "x", *argv])
+        assert exit_.value.code == 2
+        assert f"--methods and --seeds name each once; refused, not merged: {twice} given twice" in \
+            capsys.readouterr().err
+    assert parse_args(["--out", "x", "--methods", " grpo, apmpo,"]).methods == ["grpo", "apmpo"]
 
 
 def test_parallel_groups():
@@ -281,6 +513,13 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
             assert result["eval"]["best"] == last and not (out / "runs" / method / f"seed_{seed}" / "eval" / "best").exists()
             assert last["n"] == 4 and len(last["benchmarks"]["quickstart_val"]["correct"]) == 12
     built = json.loads((out / "report.json").read_text())
+    # grpo on the quickstart's loss.name apmpo trained grpo, as its config.yaml says and the report shows
+    import yaml
+
+    for method in ("apmpo", "grpo"):
+        trained = yaml.safe_load((out / "runs" / method / "seed_0" / "config.yaml").read_text())
+        assert trained["loss"]["name"] == method and built["methods"][method]["loss"] == method
+    assert not list(out.rglob("*.tmp"))  # every write went whole into its file
     vs = built["checkpoints"]["last"]["apmpo"]["vs_reference"]["pass@1"]["average"]
     assert vs["pairs"] == 2 and vs["low"] <= vs["diff"] <= vs["high"]
     text = (out / "report.md").read_text()

@@ -9,7 +9,9 @@
 
 A method is a loss name (apmpo, grpo, dapo, gmpo, gspo, dr_grpo: `loss.name=NAME`), one of the built-in variants
 (`dapo` also samples dynamically as the paper's DAPO runs; `pmpo_only` and `fac_only` are the paper's ablations),
-or a variant of yours: `--variant "NAME: key=value key=value"`, --set overrides on top of the base config.
+or a variant of yours: `--variant "NAME: key=value key=value"`, --set overrides on top of the base config, under a
+name of its own (a method's name is what it trains). A key is set by the methods or by the study's --set, not both,
+and never one the study sets per run (PER_RUN).
 
 Each (method, seed) is one run in OUT/runs/METHOD/seed_S: `launch/train.py` with `train.seed` and `data.seed` set
 to S, so that runs sharing a seed see the same prompts in the same order (the report pairs them); then
@@ -17,18 +19,20 @@ to S, so that runs sharing a seed see the same prompts in the same order (the re
 config's validation benchmarks, all problems (--eval-limit), --eval-n samples at the validation's temperature,
 one eval sampling seed shared by every run. A run is finished once its result.json is written; a killed study
 goes on where it stopped: a finished run is never rerun, a run killed mid-training resumes from its last
-checkpoint (every --save-every steps), an evaluation from its samples so far. OUT/study.json records the base
-config, the shared --set and each method's overrides: a later call may add methods and seeds, and refuses to
-change what earlier runs were trained with. A run's checkpoints are deleted once it is evaluated, unless
---keep-checkpoints (a 135M model's take 2.7 GB a run). OUT/.gitignore leaves out checkpoints, logs and samples, so the folder can be committed
-as runs finish.
+checkpoint (every --save-every steps), an evaluation from its samples so far, and its wall time counts every
+attempt (elapsed.json). OUT/study.json records the base config, the shared --set and each method's overrides: a
+later call may add methods and seeds, and refuses to change what earlier runs were trained with. A run's
+checkpoints are deleted once it is evaluated, unless --keep-checkpoints (a 135M model's take 2.7 GB a run).
+OUT/.gitignore leaves out checkpoints, logs and samples, so the folder can be committed as runs finish.
 
 Runs go one after another. On a machine with several GPUs, --parallel "0+1;2+3" runs as many at once as it has
 groups: each group is the learner's GPUs, then after "+" its generation servers' (rollout.devices); a group
 without "+" shares its first GPU with one server (CUDA IPC). The learner starts under `deepspeed --include`.
 
-After every finished run it rewrites OUT/report.md and OUT/report.json (apmpo/study/report.py) and, if matplotlib
-is installed, OUT/curves.png (python -m apmpo.plot OUT: each method's mean over seeds with its min-max band).
+Every file is written whole or not at all and read back by one schema, a broken one an error naming it
+(apmpo/study/records.py). After every finished run it rewrites OUT/report.md and OUT/report.json
+(apmpo/study/report.py) and, if matplotlib is installed, OUT/curves.png (python -m apmpo.plot OUT: each
+method's mean over seeds with its min-max band).
 """
 from __future__ import annotations
 
@@ -47,16 +51,19 @@ from pathlib import Path
 from typing import TextIO
 
 from apmpo import dirlock
+from apmpo.study import records
 from apmpo.study import report as study_report
+from apmpo.study.records import BUILTIN_VARIANTS, RecordError, Settings, builtin_methods, write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/train.py
-BUILTIN_VARIANTS = {  # as configs/paper: DAPO with dynamic sampling, the ablations of APMPO's two parts
-    "dapo": ("loss.name=dapo", "rollout.dynamic_sampling=true"),
-    "pmpo_only": ("loss.name=apmpo", "loss.fac=false"),
-    "fac_only": ("loss.name=apmpo", "loss.pmpo=false"),
-}
-# Keys a study sets itself, per run: they place and checkpoint the run, and never change what it learns.
+# Keys that place and checkpoint a run and never change what it learns: two configs that differ in them alone train
+# the same.
 BOOKKEEPING = ("logging", "checkpoint", "train.resume", "derived")
+# Keys the study sets for every run, over whatever a --set or a variant gives: a value there would be replaced, yet
+# recorded as what the method trained with. checkpoint whole: the study owns a run's checkpoints (hf/ is what it
+# evaluates, --save-every when they are written, keep_best what "best" means); logging.tensorboard and logging.wandb
+# are the user's to choose.
+PER_RUN = ("train.seed", "data.seed", "train.resume", "logging.output_dir", "logging.run_name", "checkpoint")
 
 
 class StudyError(Exception):
@@ -82,17 +89,6 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------- what to run
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What every run of a study shares; kept in study.json and checked on every later call."""
-    config: str
-    set: tuple[str, ...] = ()
-    eval_n: int = 16
-    eval_limit: int | None = None
-    eval_seeds: tuple[int, ...] = (0,)
-    save_every: int = 10
-
-
 @dataclass
 class Run:
     method: str
@@ -101,7 +97,8 @@ class Run:
     overrides: tuple[str, ...]  # the method's, then the study's --set, then the run's own
     dir: Path
     cfg: object = None  # apmpo.config.Config, resolved at start: a bad config fails before anything runs
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # this attempt's start
+    before: float = 0.0  # seconds of the earlier attempts (elapsed.json when the study started)
 
     @property
     def name(self) -> str:
@@ -123,23 +120,60 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
     return name, overrides
 
 
+def parse_variants(texts: list[str]) -> dict[str, tuple[str, ...]]:
+    """Every --variant, by name: a name given twice, or a built-in method's name, is refused (a variant named grpo
+    would train something else under grpo's name)."""
+    variants: dict[str, tuple[str, ...]] = {}
+    builtin = builtin_methods()
+    for text in texts:
+        name, overrides = parse_variant(text)
+        if name in variants:
+            raise StudyError(f"--variant {name!r} is given twice: one name, one set of overrides")
+        if name in builtin:
+            raise StudyError(f"--variant {text!r}: {name!r} is a built-in method ({' '.join(builtin[name])}); "
+                             f"give your variant a name of its own, e.g. {name}_mine")
+        variants[name] = overrides
+    return variants
+
+
 def method_overrides(name: str, variants: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
     from apmpo.loss import POLICY_LOSSES
 
+    if (builtin := builtin_methods().get(name)) is not None:
+        return builtin
     if name in variants:
         return variants[name]
-    if name in BUILTIN_VARIANTS:
-        return BUILTIN_VARIANTS[name]
-    if name in POLICY_LOSSES:
-        return (f"loss.name={name}",)
     raise StudyError(f"--methods: {name!r} is neither a loss ({', '.join(POLICY_LOSSES)}), a built-in variant "
                      f"({', '.join(BUILTIN_VARIANTS)}) nor defined with --variant \"{name}: key=value ...\"")
+
+
+def check_overrides(methods: dict[str, tuple[str, ...]], shared: tuple[str, ...]) -> None:
+    """Refuses an override that would be silently replaced: one of a key the study sets per run (PER_RUN), and a
+    --set of a key that a method sets (the --set comes after, so grpo's loss.name=grpo would give way to
+    --set loss.name=apmpo). A key and a section holding it count as the same key."""
+    def key(override: str) -> tuple[str, ...]:
+        return tuple(override.partition("=")[0].strip().split("."))
+
+    def overlap(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+        return a[:len(b)] == b[:len(a)]
+
+    where = {f"--set {o!r}": o for o in shared} | {f"method {m}'s {o!r}": o
+                                                       for m, overrides in methods.items() for o in overrides}
+    for what, override in where.items():
+        if hit := next((k for k in PER_RUN if overlap(key(override), tuple(k.split(".")))), None):
+            raise StudyError(f"{what}: the study sets {hit} for every run itself (the seed from --seeds, "
+                             "checkpoints from --save-every, where the run is written); leave it out")
+    for override in shared:
+        for method, overrides in methods.items():
+            if hit := next((o for o in overrides if overlap(key(override), key(o))), None):
+                raise StudyError(f"--set {override!r} would replace {method}'s own {hit!r}: a key is set by the "
+                                 "methods or by --set, not both")
 
 
 def saved_methods(out: Path) -> dict[str, tuple[str, ...]]:
     """The methods OUT/study.json records ({} for a new study): a variant trained there needs no --variant again."""
     path = out / "study.json"
-    return {k: tuple(v) for k, v in json.loads(path.read_text())["methods"].items()} if path.is_file() else {}
+    return records.read(path, records.Study).methods if path.is_file() else {}
 
 
 def load_study(out: Path, settings: Settings | None, methods: dict[str, tuple[str, ...]]) -> tuple[Settings, dict]:
@@ -147,14 +181,13 @@ def load_study(out: Path, settings: Settings | None, methods: dict[str, tuple[st
     there keeps its overrides. Returns the settings and every method of the study."""
     path = out / "study.json"
     if path.is_file():
-        saved = json.loads(path.read_text())
-        old = Settings(**{**saved["settings"], "set": tuple(saved["settings"]["set"]),
-                          "eval_seeds": tuple(saved["settings"]["eval_seeds"])})
+        saved = records.read(path, records.Study)
+        old = saved.settings
         if settings is not None and settings != old:
             changed = [k for k in Settings.__dataclass_fields__ if getattr(settings, k) != getattr(old, k)]
             raise StudyError(f"{out} was run with other settings ({', '.join(changed)}: "
                              f"{[getattr(old, k) for k in changed]}); run them in another --out")
-        known = {k: tuple(v) for k, v in saved["methods"].items()}
+        known = saved.methods
         for name, overrides in methods.items():
             if name in known and known[name] != overrides:
                 raise StudyError(f"method {name!r} of {out} was trained with {list(known[name])}, not "
@@ -182,10 +215,10 @@ def save_study(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]
     """Writes OUT/study.json, once every run's config has loaded: a bad config or variant leaves nothing behind
     that a corrected call would have to match."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "study.json").write_text(json.dumps({"settings": settings.__dict__, "methods": methods}, indent=1) + "\n")
+    write_atomic(out / "study.json", json.dumps({"settings": settings.__dict__, "methods": methods}, indent=1) + "\n")
     ignore = out / ".gitignore"
     if not ignore.exists():  # what a commit of the study folder leaves out: large, and not needed by the report
-        ignore.write_text("checkpoints/\ntensorboard/\n*.log\nsamples.jsonl\n*.tmp\n.lock\n")
+        write_atomic(ignore, "checkpoints/\ntensorboard/\n*.log\nsamples.jsonl\n*.tmp\n.lock\n")
 
 
 def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]], asked: list[str],
@@ -207,7 +240,9 @@ def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]
                 key = f"val/{cfg.eval.benchmarks.split(',')[0].split('=')[0]}/pass@1"
                 overrides += (f"checkpoint.keep_best={key}",)
                 cfg = load_config(settings.config, overrides)
-            run = Run(method, seed, methods[method], overrides, run_dir, cfg)
+            elapsed = run_dir / "elapsed.json"  # read now: a broken one stops the study before anything runs
+            before = records.read(elapsed, records.Elapsed).seconds if elapsed.is_file() else 0.0
+            run = Run(method, seed, methods[method], overrides, run_dir, cfg, before=before)
             _check_same_config(run)
             runs.append(run)
     return runs
@@ -323,23 +358,18 @@ def write_result(run: Run, settings: Settings, targets: list, best: dict | None)
         "train_seconds": round(sum(m.get("time/step", 0.0) for m in metrics.values()), 1),
         "seconds": round(_elapsed(run), 1), "eval": evals,
     }
-    tmp = run.result_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(run.result_path)
+    write_atomic(run.result_path, json.dumps(result, indent=1) + "\n")
 
 
 def _elapsed(run: Run) -> float:
-    """Wall time of the run across calls of the study: kept in elapsed.json as it goes."""
-    path = run.dir / "elapsed.json"
-    before = json.loads(path.read_text())["seconds"] if path.is_file() else 0.0
-    return before + time.monotonic() - run.started
+    """Wall time of the run across attempts: the earlier ones' (elapsed.json), and this one's so far."""
+    return run.before + time.monotonic() - run.started
 
 
 def _save_elapsed(run: Run) -> None:
-    path = run.dir / "elapsed.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"seconds": _elapsed(run)}) + "\n")
-    run.started = time.monotonic()
+    """elapsed.json, rewritten at every poll of the run (2 s): an attempt killed outright loses that much."""
+    run.dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run.dir / "elapsed.json", json.dumps({"seconds": _elapsed(run)}) + "\n")
 
 
 def _correct_counts(eval_dir: Path) -> dict:
@@ -462,7 +492,7 @@ def report_progress(active: Active) -> None:
 
 
 def eta(runs: list[Run], left: list[Run], active: list[Active]) -> str:
-    done = [json.loads(r.result_path.read_text())["seconds"] for r in runs if r.result_path.is_file()]
+    done = [records.read(r.result_path, records.Result).seconds for r in runs if r.result_path.is_file()]
     if not done:
         return "ETA after the first run"
     per_run = statistics.fmean(done)
@@ -499,10 +529,10 @@ def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished)
             for a in list(active):
                 report_progress(a)
                 code = a.process.poll()
+                _save_elapsed(a.run)
                 if code is None:
                     continue
                 a.log_file.close()
-                _save_elapsed(a.run)
                 if code != 0:
                     tail = (a.run.dir / ("train.log" if a.what == "training" else f"{a.what.replace(' ', '_')}.log"))
                     log(f"  {a.run.name}: {a.what} FAILED (exit {code}); last lines of {tail}:\n"
@@ -527,11 +557,10 @@ def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished)
 
 
 def _summary(run: Run) -> str:
-    result = json.loads(run.result_path.read_text())
-    parts = [f"{which} (step {e['step']}) pass@1 " + ", ".join(f"{b} {v['pass@1']:.3f}"
-                                                              for b, v in e["benchmarks"].items())
-             for which, e in result["eval"].items()]
-    return f"{result['seconds'] / 60:.1f} min; " + "; ".join(parts)
+    result = records.read(run.result_path, records.Result)
+    parts = [f"{which} (step {e.step}) pass@1 " + ", ".join(f"{b} {v.pass_at_1:.3f}" for b, v in e.benchmarks.items())
+             for which, e in result.eval.items()]
+    return f"{result.seconds / 60:.1f} min; " + "; ".join(parts)
 
 
 def prune(run: Run) -> None:
@@ -583,8 +612,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.eval_seeds = tuple(int(s) for s in args.eval_seeds.split(",") if s.strip())
     except ValueError:
         p.error("--seeds and --eval-seeds take comma-separated integers, e.g. 0,1,2")
-    for ok, message in [(len(set(args.seeds)) == len(args.seeds) and all(s >= 0 for s in args.seeds),
-                         "--seeds must be distinct and >= 0"),
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    twice = sorted({m for m in args.methods if args.methods.count(m) > 1} | {
+        str(s) for s in args.seeds if args.seeds.count(s) > 1})
+    for ok, message in [(not twice, f"--methods and --seeds name each once; refused, not merged: {', '.join(twice)} "
+                                    "given twice"),
+                        (all(s >= 0 for s in args.seeds), "--seeds must be >= 0"),
                         (args.eval_n >= 1 and (args.eval_limit is None or args.eval_limit >= 1),
                          "--eval-n and --eval-limit must be >= 1"),
                         (bool(args.eval_seeds), "--eval-seeds is empty"), (args.save_every >= 1, "--save-every >= 1")]:
@@ -599,8 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out
     try:
-        variants = saved_methods(out) | dict(parse_variant(v) for v in args.variant)
-        asked = [m.strip() for m in args.methods.split(",") if m.strip()]
+        variants = saved_methods(out) | parse_variants(args.variant)
+        asked = args.methods
         methods = {m: method_overrides(m, variants) for m in asked}
         settings = None if args.config is None else Settings(
             args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every)
@@ -613,17 +646,23 @@ def main(argv: list[str] | None = None) -> int:
             raise StudyError("--methods is empty: name the methods to run, e.g. --methods apmpo,grpo")
         slots = parse_parallel(args.parallel, _visible_gpus() if args.parallel else None)
         settings, methods = load_study(out, settings, methods)
+        check_overrides(methods, settings.set)
         runs = plan_runs(out, settings, methods, asked, args.seeds)
+        records.load_results(out)  # every finished run's record: a broken one stops the study before anything runs
         lock = lock_study(out)
         save_study(out, settings, methods)
     except ConfigError as error:
         print(f"apmpo.study: bad config: {error}", file=sys.stderr)
         return 2
-    except StudyError as error:
+    except (StudyError, RecordError) as error:
         print(f"apmpo.study: {error}", file=sys.stderr)
         return 2
     with lock:  # until the study ends
-        return run_study(out, runs, settings, slots, methods, args)
+        try:
+            return run_study(out, runs, settings, slots, methods, args)
+        except RecordError as error:  # a record broken meanwhile, read for the report: the runs were stopped
+            print(f"apmpo.study: {error}", file=sys.stderr)
+            return 2
 
 
 def run_study(out: Path, runs: list[Run], settings: Settings, slots: list[Slot], methods: dict,

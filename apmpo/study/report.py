@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from apmpo.study import records
+
 CHECKPOINTS = ("last", "best")  # the last step's policy, and the best by validation (checkpoint.keep_best)
 RESAMPLES = 10_000
 
@@ -107,15 +109,6 @@ def mean_std(values: list[float]) -> dict:
 # ---------------------------------------------------------------------------- the study's results
 
 
-def load_results(study: Path) -> dict[str, dict[int, dict]]:
-    """{method: {seed: result.json}} of every finished run under study/runs."""
-    out: dict[str, dict[int, dict]] = {}
-    for path in sorted((study / "runs").glob("*/seed_*/result.json")):
-        result = json.loads(path.read_text())
-        out.setdefault(result["method"], {})[int(result["seed"])] = result
-    return out
-
-
 def build(results: dict[str, dict[int, dict]], methods: list[str], reference: str,
           resamples: int = RESAMPLES) -> dict:
     """report.json's content: per checkpoint, per method, per benchmark Pass@1 / Pass@k (mean ± std, IQM), their
@@ -125,7 +118,8 @@ def build(results: dict[str, dict[int, dict]], methods: list[str], reference: st
     for method in methods:
         runs = results[method]
         report["methods"][method] = {
-            "seeds": sorted(runs), "overrides": next(iter(runs.values()))["overrides"],
+            "seeds": sorted(runs), "loss": next(iter(runs.values()))["loss"],
+            "overrides": next(iter(runs.values()))["overrides"],
             "minutes": mean_std([r["seconds"] / 60 for r in runs.values()]),
             "auc": _auc(runs), "auc_vs_reference": _auc_diff(runs, results.get(reference), method, reference,
                                                               resamples)}
@@ -280,14 +274,15 @@ def render(report: dict, title: str = "Study") -> str:
             lines += [f"Steps chosen: {steps}.", ""]
     lines += ["## Learning speed: area under the validation curve", "",
               "The mean validation Pass@1 over training (trapezoids over the validated steps, divided by their span); "
-              f"Δ vs {ref}: paired over seeds only.", ""]
+              f"Δ vs {ref}: paired over seeds only. Loss trained: loss.name in the runs' config.yaml.", ""]
     rows = []
     for method, info in report["methods"].items():
-        rows.append([method, ", ".join(map(str, info["seeds"])), " ".join(info["overrides"]) or "(base config)",
+        rows.append([method, ", ".join(map(str, info["seeds"])), info["loss"],
+                     " ".join(info["overrides"]) or "(base config)",
                      _pct(info["auc"]), _interval(info["auc_vs_reference"]), _ahead(info["auc_vs_reference"]),
                      f"{info['minutes']['mean']:.1f}"])
-    lines += _table(["Method", "seeds", "overrides", "val AUC", f"Δ AUC vs {ref}", "seeds ahead", "minutes a run"],
-                    rows)
+    lines += _table(["Method", "seeds", "loss trained", "overrides", "val AUC", f"Δ AUC vs {ref}", "seeds ahead",
+                     "minutes a run"], rows)
     return "\n".join(lines) + "\n"
 
 
@@ -298,8 +293,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def write(study: Path, methods: list[str], reference: str, title: str, resamples: int = RESAMPLES) -> dict:
     """report.json and report.md in the study folder, from its finished runs."""
-    report = build(load_results(study), methods, reference, resamples)
-    (study / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (study / "report.md").write_text(render(report, title))
+    report = build(records.load_results(study), methods, reference, resamples)
+    records.write_atomic(study / "report.json", json.dumps(report, indent=1) + "\n")
+    records.write_atomic(study / "report.md", render(report, title))
     return report
 
