@@ -17,7 +17,7 @@ import pytest
 from apmpo.study import records, report
 from apmpo.study.__main__ import (BUILTIN_VARIANTS, Settings, StudyError, check_overrides, load_study, main,
                                   method_overrides, parse_args, parse_parallel, parse_variant, parse_variants,
-                                  plan_runs, save_study, saved_methods)
+                                  plan_runs, preregister, save_study, saved_methods)
 from apmpo.study.records import RecordError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,65 +26,45 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------------------- statistics
 
 
-def naive_bootstrap(method, reference, resamples, seed):
-    """The paired bootstrap as a loop: the same draws as report.paired_bootstrap, taken in the same order."""
-    rng = np.random.default_rng(seed)
-    num_seeds = len(method[0])
-    seed_draw = rng.integers(0, num_seeds, size=(resamples, num_seeds))
-    problem_draws = [rng.integers(0, len(m[0]), size=(resamples, len(m[0]))) for m in method]
-    draws = []
-    for r in range(resamples):
-        per_benchmark = []
-        for m, ref, problems in zip(method, reference, problem_draws):
-            total = 0.0
-            for s in seed_draw[r]:
-                total += sum(m[s][i] - ref[s][i] for i in problems[r]) / len(problems[r])
-            per_benchmark.append(total / num_seeds)
-        draws.append(sum(per_benchmark) / len(per_benchmark))
-    return float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))
-
-
-def test_paired_bootstrap_equals_a_loop_over_the_same_draws():
+def test_paired_difference_is_a_t_interval_over_the_seeds():
     rng = np.random.default_rng(3)
-    method = [rng.random((3, 7)), rng.random((3, 4))]  # two benchmarks, 3 seeds
-    reference = [rng.random((3, 7)), rng.random((3, 4))]
-    got = report.paired_bootstrap(method, reference, resamples=300, seed=5)
-    low, high = naive_bootstrap([m.tolist() for m in method], [r.tolist() for r in reference], 300, 5)
-    assert got["low"] == pytest.approx(low, abs=1e-12) and got["high"] == pytest.approx(high, abs=1e-12)
-    # the point estimate: the mean over benchmarks of each one's mean difference
-    assert got["diff"] == pytest.approx(((method[0] - reference[0]).mean() + (method[1] - reference[1]).mean()) / 2)
-    assert got["pairs"] == 3
+    method = [rng.random((4, 7)), rng.random((4, 3))]  # two benchmarks, 4 seeds
+    reference = [rng.random((4, 7)), rng.random((4, 3))]
+    got = report.paired_difference(method, reference)
+    # a seed's difference: the mean over benchmarks of its mean difference over problems, as a loop
+    per_seed = [sum(sum(m[s][i] - r[s][i] for i in range(len(m[s]))) / len(m[s])
+                    for m, r in zip(method, reference)) / 2 for s in range(4)]
+    mean = sum(per_seed) / 4
+    sd = (sum((x - mean) ** 2 for x in per_seed) / 3) ** 0.5
+    half = 3.18245 * sd / 2  # t(0.975, 3) = 3.18245 (tables), sqrt(4) = 2
+    assert got["per_seed"] == pytest.approx(per_seed) and got["diff"] == pytest.approx(mean)
+    assert (got["low"], got["high"]) == pytest.approx((mean - half, mean + half), abs=1e-5)
+    assert got["pairs"] == 4
 
 
-def test_paired_bootstrap_hand_cases():
+def test_paired_difference_hand_cases():
     ones, zeros = np.ones((2, 5)), np.zeros((2, 5))
-    # a constant difference of 1 in every problem and seed: every resample is exactly 1
-    assert report.paired_bootstrap([ones], [zeros], resamples=50) == {
-        "diff": 1.0, "low": 1.0, "high": 1.0, "pairs": 2, "ahead": 2, "significant": True}
-    # the same scores: no difference, not significant
-    same = report.paired_bootstrap([ones * 0.5], [ones * 0.5], resamples=50)
+    # a constant difference of 1 in every problem and seed: the interval is the point; both seeds won
+    d = report.paired_difference([ones], [zeros])
+    assert (d["diff"], d["low"], d["high"], d["pairs"], d["ahead"], d["significant"]) == (1, 1, 1, 2, 2, True)
+    assert d["improvement"][0] == 1.0
+    # the same scores: no difference, not significant, every seed a tie (P 0.5)
+    same = report.paired_difference([ones * 0.5], [ones * 0.5])
     assert same["diff"] == 0 and same["low"] == same["high"] == 0 and not same["significant"]
+    assert same["improvement"][0] == 0.5
     # pairing matters: a seed effect shared by both methods cancels. Seed 0 scores 0.9 / 0.8, seed 1 0.1 / 0.0:
     # every paired difference is 0.1, so the interval is the point, where unpaired seeds would spread it widely.
     m, r = np.array([[0.9] * 4, [0.1] * 4]), np.array([[0.8] * 4, [0.0] * 4])
-    paired = report.paired_bootstrap([m], [r], resamples=200)
+    paired = report.paired_difference([m], [r])
     assert paired["low"] == pytest.approx(0.1) and paired["high"] == pytest.approx(0.1)
     # seeds ahead: per seed, the mean difference over benchmarks (here +0.5 and -0.25 on benchmark a, +0.1 and
-    # +0.1 on b: seed 0 won, seed 1 lost, seed 2 tied at 0: one pair of three ahead)
+    # +0.1 on b: seed 0 won, seed 1 lost, seed 2 tied at 0: one pair of three ahead, P = 1.5 / 3)
     a_m, a_r = np.array([[1.0, 1.0], [0.0, 0.5], [0.5, 0.5]]), np.array([[0.5, 0.5], [0.25, 0.75], [0.5, 0.5]])
     b_m, b_r = np.array([[0.2], [0.2], [0.0]]), np.array([[0.1], [0.1], [0.0]])
-    mixed = report.paired_bootstrap([a_m, b_m], [a_r, b_r], resamples=50)
-    assert mixed["pairs"] == 3 and mixed["ahead"] == 1  # seed 1: (-0.25 + 0.1) / 2 < 0
-
-
-def test_paired_bootstrap_interval_covers_a_known_difference():
-    rng = np.random.default_rng(0)
-    truth = 0.05
-    reference = rng.random((3, 400)) < 0.5
-    method = rng.random((3, 400)) < 0.5 + truth
-    got = report.paired_bootstrap([method.astype(float)], [reference.astype(float)], resamples=2000)
-    assert got["low"] < truth < got["high"]
-    assert got["high"] - got["low"] < 0.15
+    mixed = report.paired_difference([a_m, b_m], [a_r, b_r])
+    assert mixed["pairs"] == 3 and mixed["ahead"] == 1 and mixed["improvement"][0] == 0.5
+    # one pair: no interval
+    assert report.paired_difference([ones[:1]], [zeros[:1]])["low"] is None
 
 
 def test_validation_auc_is_the_mean_score_over_training():
@@ -124,7 +104,7 @@ def test_build_pairs_runs_by_seed_and_reports_pass_at_k(tmp_path):
     for method, seed, correct in [("grpo", 0, [0, 4, 2]), ("grpo", 1, [1, 1, 1]), ("grpo", 2, [4, 4, 4]),
                                   ("apmpo", 0, [4, 4, 2]), ("apmpo", 1, [1, 1, 1])]:  # apmpo: no seed 2
         write_run(tmp_path, fake_result(method, seed, correct))
-    built = report.build(records.load_results(tmp_path), ["apmpo", "grpo"], "grpo", resamples=200)
+    built = report.build(records.load_results(tmp_path), ["apmpo", "grpo"], "grpo")
     apmpo = built["checkpoints"]["last"]["apmpo"]
     # pass@1 per run: seed 0 (4+4+2)/12 = 10/12, seed 1 3/12; mean 13/24
     assert apmpo["benchmarks"]["b"]["pass@1"]["per_run"] == pytest.approx([10 / 12, 3 / 12])
@@ -139,8 +119,78 @@ def test_build_pairs_runs_by_seed_and_reports_pass_at_k(tmp_path):
     assert built["methods"]["apmpo"]["auc_vs_reference"]["diff"] == 0
     text = report.render(built)
     assert "| apmpo | 2 | 54.2 ± 41.2 |" in text  # 13/24 = 54.2%; the std of 83.3 and 25.0 is 41.2
-    assert vs["ahead"] == 1 and "| 1/2 |" in text  # seed 0 won (10/12 against 6/12), seed 1 tied
+    assert vs["ahead"] == 1 and "| 1/2, P 0.75 [" in text  # seed 0 won (10/12 against 6/12), seed 1 tied
     assert built["methods"]["apmpo"]["loss"] == "apmpo" and "| apmpo | 0, 1 | apmpo | loss.name=apmpo |" in text
+
+
+# ---------------------------------------------------------------------------- the pre-registered question
+
+
+def plan_of(seeds, halfwidth=2.0, score="last"):
+    return records.Plan(method="apmpo", reference="grpo", score=score, seeds=tuple(seeds), halfwidth=halfwidth)
+
+
+def test_the_answer_is_read_on_the_planned_seeds_once_all_have_finished(tmp_path):
+    # 100 problems x n=1: a run's pass@1 in points is its number of correct problems
+    def run(method, seed, points):
+        write_run(tmp_path, fake_result(method, seed, [1] * points + [0] * (100 - points), n=1))
+
+    for seed, (a, g) in enumerate([(80, 79), (70, 70), (61, 60)]):
+        run("apmpo", seed, a), run("grpo", seed, g)
+    run("apmpo", 9, 99), run("grpo", 9, 0)  # a seed outside the plan: never in the answer
+    results = records.load_results(tmp_path)
+    interim = report.answer(results, plan_of([0, 1, 2, 3]))
+    assert interim["verdict"] == "interim" and interim["finished"] == [0, 1, 2] and interim["outside_plan"] == [9]
+    text = report.render(report.build(results, ["apmpo", "grpo"], "grpo", plan_of([0, 1, 2, 3])))
+    assert "**Interim, not the answer**: 3 of 4 pairs" in text and "Seeds 9 are not in the plan" in text
+    # differences +1, 0, +1 points: mean 2/3, sd 0.57735, t(0.975, 2) = 4.30265 -> +-1.4342
+    done = report.answer(results, plan_of([0, 1, 2]))
+    d = done["difference"]
+    assert (100 * d["low"], 100 * d["high"]) == pytest.approx((2 / 3 - 1.4342, 2 / 3 + 1.4342), abs=1e-3)
+    assert done["verdict"] == "wider"  # [-0.77, +2.10]: not within +-2, but within +-2.2
+    assert report.answer(results, plan_of([0, 1, 2], halfwidth=2.2))["verdict"] == "equal"
+    run("apmpo", 3, 50), run("grpo", 3, 40)  # +1, 0, +1, +10: wider still
+    assert report.answer(records.load_results(tmp_path), plan_of([0, 1, 2, 3], 2.0))["verdict"] == "wider"
+    for seed, (a, g) in [(4, (50, 45)), (5, (55, 49)), (6, (50, 45)), (7, (55, 49))]:
+        run("apmpo", seed, a), run("grpo", seed, g)
+    # +1, 0, +1, +10, +5, +6, +5, +6: mean 4.25, sd 3.370, t(0.975, 7) 2.3646 -> [+1.43, +7.07]: a difference
+    assert report.answer(records.load_results(tmp_path), plan_of(range(8), 2.0))["verdict"] == "difference"
+
+
+def test_the_question_is_fixed_before_the_first_run(tmp_path):
+    args = parse_args(["--out", str(tmp_path), "--methods", "apmpo,grpo", "--seeds", "0-3", "--halfwidth", "2"])
+    assert args.seeds == [0, 1, 2, 3]
+    plan = preregister(tmp_path, args)
+    assert plan == plan_of([0, 1, 2, 3])
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"apmpo": ("loss.name=apmpo",)}, plan)
+    assert records.read(tmp_path / "study.json", records.Study).plan == plan
+    write_run(tmp_path, fake_result("grpo", 0, [1, 2]))  # a run has started
+    assert preregister(tmp_path, args) == plan  # the same question goes on
+    assert preregister(tmp_path, parse_args(["--out", str(tmp_path), "--methods", "apmpo,grpo"])) == plan
+    for change in (["--seeds", "0-9"], ["--halfwidth", "3"], ["--score", "auc"], ["--methods", "gmpo,grpo"]):
+        argv = ["--out", str(tmp_path), "--methods", "apmpo,grpo", "--seeds", "0-3", "--halfwidth", "2", *change]
+        with pytest.raises(StudyError, match="fixed its question before its first run"):
+            preregister(tmp_path, parse_args(argv))
+    other = tmp_path / "other"
+    write_run(other, fake_result("grpo", 0, [1, 2]))
+    with pytest.raises(StudyError, match="has runs already"):
+        preregister(other, args)
+    with pytest.raises(StudyError, match="one question"):
+        preregister(tmp_path / "new", parse_args(["--out", str(tmp_path), "--methods", "apmpo,gmpo,grpo",
+                                                  "--halfwidth", "2"]))
+
+
+def test_plan_prints_the_seeds_a_half_width_needs(tmp_path, capsys):
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"apmpo": ("loss.name=apmpo",)}, None)
+    for seed, (a, g) in enumerate([(80, 79), (70, 72), (61, 57)]):
+        for method, points in (("apmpo", a), ("grpo", g)):
+            write_run(tmp_path, fake_result(method, seed, [1] * points + [0] * (100 - points), n=1))
+    assert main(["--out", str(tmp_path), "--plan", "--halfwidth", "2", "--methods", "apmpo"]) == 0
+    out = capsys.readouterr().out
+    # differences +1, -2, +4: sd 3 -> 12 seeds for +-2 (apmpo.study.stats' hand-computed case)
+    assert "sd of the paired difference 3.0" in out and "+-2 points at the pilot's sd 3.0: 12 seeds" in out
+    assert "--seeds 0-11 --score last --halfwidth 2" in out
+    assert main(["--out", str(tmp_path / "none"), "--plan", "--halfwidth", "2"]) == 2
 
 
 # ---------------------------------------------------------------------------- records
@@ -162,7 +212,7 @@ def test_the_report_shows_the_loss_each_method_trained_and_refuses_another_under
     write_run(tmp_path, fake_result("mine", 0, [1, 2], overrides=["loss.gamma=1"]), loss="grpo")
     write_run(tmp_path, fake_result("pmpo_only", 0, [1, 2], overrides=list(BUILTIN_VARIANTS["pmpo_only"])),
               loss="apmpo")
-    built = report.build(records.load_results(tmp_path), ["mine"], "mine", resamples=10)
+    built = report.build(records.load_results(tmp_path), ["mine"], "mine")
     assert built["methods"]["mine"]["loss"] == "grpo" and built["methods"]["pmpo_only"]["loss"] == "apmpo"
     assert "| mine | 0 | grpo | loss.gamma=1 |" in report.render(built)
     # its seeds trained different losses (the base config changed under it)
@@ -236,19 +286,19 @@ def test_broken_study_and_elapsed_files_are_errors_naming_them(tmp_path, capsys)
 
 def test_the_committed_study_loads_and_reports_its_numbers():
     """studies/smollm2_arith, written before the schema: every record reads, and the report's numbers (all but the
-    bootstrap intervals, which depend on the resample count) are those of its committed report.json."""
+    differences from the reference, now t-intervals) are those of its committed report.json."""
     study = ROOT / "studies" / "smollm2_arith"
     methods = saved_methods(study)
     assert len(methods) == 11 and methods["pmpo_only"] == BUILTIN_VARIANTS["pmpo_only"]
     results = records.load_results(study)
     assert sum(map(len, results.values())) == 36
-    built = report.build(results, list(methods), "grpo", resamples=10)
+    built = report.build(results, list(methods), "grpo")
     committed = json.loads((study / "report.json").read_text())
 
     def numbers(part):
         if isinstance(part, dict):
             return {k: numbers(v) for k, v in part.items()
-                    if k not in ("vs_reference", "auc_vs_reference", "resamples", "loss")}
+                    if k not in ("vs_reference", "auc_vs_reference", "resamples", "loss", "answer")}
         return part
 
     assert numbers(built) == numbers(committed)

@@ -52,7 +52,7 @@ from typing import TextIO
 
 from apmpo import dirlock
 from apmpo.study import records
-from apmpo.study import report as study_report
+from apmpo.study import report as study_report, stats
 from apmpo.study.records import BUILTIN_VARIANTS, RecordError, Settings, builtin_methods, write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/train.py
@@ -211,11 +211,13 @@ def lock_study(out: Path) -> TextIO:
         raise StudyError(f"--out {out}: cannot write there ({error.strerror or error})") from None
 
 
-def save_study(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]) -> None:
+def save_study(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]],
+               plan: records.Plan | None = None) -> None:
     """Writes OUT/study.json, once every run's config has loaded: a bad config or variant leaves nothing behind
     that a corrected call would have to match."""
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "study.json", json.dumps({"settings": settings.__dict__, "methods": methods}, indent=1) + "\n")
+    study = {"settings": settings.__dict__, "methods": methods} | ({"plan": plan.model_dump()} if plan else {})
+    write_atomic(out / "study.json", json.dumps(study, indent=1) + "\n")
     ignore = out / ".gitignore"
     if not ignore.exists():  # what a commit of the study folder leaves out: large, and not needed by the report
         write_atomic(ignore, "checkpoints/\ntensorboard/\n*.log\nsamples.jsonl\n*.tmp\n.lock\n")
@@ -573,8 +575,72 @@ def prune(run: Run) -> None:
 # ---------------------------------------------------------------------------- report and CLI
 
 
+# ---------------------------------------------------------------------------- the question, planned and fixed
+
+
+def saved_plan(out: Path) -> records.Plan | None:
+    path = out / "study.json"
+    return records.read(path, records.Study).plan if path.is_file() else None
+
+
+def preregister(out: Path, args: argparse.Namespace) -> records.Plan | None:
+    """The plan this call asks for (--halfwidth: the two --methods, the reference, --score, --seeds), checked
+    against study.json's: fixed once a run of the study has finished or started, so that no one picks the
+    question, or the number of seeds, after seeing results."""
+    old = saved_plan(out)
+    if args.halfwidth is None:
+        return old
+    others = [m for m in args.methods if m != args.reference]
+    if len(args.methods) != 2 or len(others) != 1:
+        raise StudyError(f"--halfwidth fixes one question, a method against --reference {args.reference}: give "
+                         f"--methods METHOD,{args.reference} (got {','.join(args.methods)})")
+    plan = records.Plan(method=others[0], reference=args.reference, score=args.score, seeds=tuple(args.seeds),
+                        halfwidth=args.halfwidth)
+    started = any((out / "runs").glob("*/seed_*/config.yaml"))
+    if old is not None and plan != old and started:
+        raise StudyError(f"{out / 'study.json'} fixed its question before its first run ({_describe(old)}); it "
+                         f"cannot become {_describe(plan)}: ask a new question in another --out")
+    if old is None and started:
+        raise StudyError(f"{out} has runs already: a question fixed now could be chosen after seeing them; ask it "
+                         "in a new --out")
+    return plan
+
+
+def _describe(plan: records.Plan) -> str:
+    return (f"{plan.method} - {plan.reference} on {plan.score}, seeds {','.join(map(str, plan.seeds))}, "
+            f"+-{plan.halfwidth:g} points")
+
+
+def print_plan(out: Path, args: argparse.Namespace) -> None:
+    """--plan: how many seeds --halfwidth needs, from the study's finished pairs (the pilot), and the command."""
+    results = records.load_results(out)
+    method = args.methods[0] if args.methods else next((m for m in results if m != args.reference), None)
+    ours, theirs = results.get(method, {}), results.get(args.reference, {})
+    seeds = sorted(set(ours) & set(theirs))
+    if len(seeds) < 2:
+        raise StudyError(f"--plan needs at least 2 finished pairs of {method} and {args.reference} in {out}; it has "
+                         f"{len(seeds)}: run a pilot first (e.g. --methods {method},{args.reference} --seeds 0,1,2)")
+    d = study_report.paired_difference(study_report.scores(ours, seeds, args.score),
+                                       study_report.scores(theirs, seeds, args.score))
+    per_pair = statistics.fmean(ours[s]["seconds"] + theirs[s]["seconds"] for s in seeds)
+    plan = stats.plan([100 * x for x in d["per_seed"]], args.halfwidth, per_pair)
+    pilot = plan.pilot
+    print(f"pilot: {pilot.n} pairs of {method} - {args.reference} on {args.score}: {pilot.mean:+.1f} points "
+          f"[{pilot.low:+.1f}, {pilot.high:+.1f}] (95% paired t), sd of the paired difference {pilot.sd:.1f}; "
+          f"{per_pair / 60:.0f} minutes a pair")
+    for what, n in [(f"at the pilot's sd {pilot.sd:.1f}", plan.seeds),
+                    (f"at its 80% upper bound {plan.sd_bound:.1f}", plan.seeds_at_bound)]:
+        print(f"  +-{args.halfwidth:g} points {what}: {n} seeds, about {plan.hours(n):.0f} hours of runs")
+    config = records.read(out / "study.json", records.Study).settings.config
+    print(f"to ask it (the plan is fixed in study.json before the first run; the answer is read on these seeds):\n"
+          f"  python -m apmpo.study --config {config} --out NEW_FOLDER --methods {method},{args.reference} "
+          f"--reference {args.reference} --seeds 0-{plan.seeds - 1} --score {args.score} "
+          f"--halfwidth {args.halfwidth:g}")
+
+
 def write_report(out: Path, methods: list[str], reference: str) -> Path:
-    study_report.write(out, methods, reference, title=f"Study: {out.name}")
+    plan = saved_plan(out)
+    study_report.write(out, methods, plan.reference if plan else reference, f"Study: {out.name}", plan)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -594,7 +660,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default="", help="comma-separated: losses, built-in variants or --variant names")
     p.add_argument("--variant", action="append", default=[], metavar="'NAME: key=value ...'",
                    help="a named method made of --set overrides (repeatable)")
-    p.add_argument("--seeds", default="0,1,2", help="training seeds (train.seed and data.seed), e.g. 0,1,2")
+    p.add_argument("--seeds", default="0,1,2", help="training seeds (train.seed and data.seed), e.g. 0,1,2 or 0-39")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for every run of the study (repeatable)")
     p.add_argument("--reference", default="grpo", help="the method the report compares every other with")
@@ -606,9 +672,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GPU groups, one run each at once, e.g. '0+1;2+3' (learner + servers) or '0;1' (shared)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
     p.add_argument("--report", action="store_true", help="only rewrite the report from the finished runs")
+    p.add_argument("--plan", action="store_true",
+                   help="print how many seeds --halfwidth needs, from the finished pairs of --out, and stop")
+    p.add_argument("--halfwidth", type=float, default=None, metavar="POINTS",
+                   help="with --plan: the target; with a study: fix its question (--methods M,REF, --reference, "
+                        "--score, --seeds) in study.json before its first run")
+    p.add_argument("--score", choices=records.SCORES, default="last",
+                   help="the question's score: the last policy's pass@1, or the validation curve's mean (auc)")
     args = p.parse_args(argv)
     try:
-        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        args.seeds = [seed for part in args.seeds.split(",") if part.strip() for seed in _seed_range(part)]
         args.eval_seeds = tuple(int(s) for s in args.eval_seeds.split(",") if s.strip())
     except ValueError:
         p.error("--seeds and --eval-seeds take comma-separated integers, e.g. 0,1,2")
@@ -620,10 +693,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         (all(s >= 0 for s in args.seeds), "--seeds must be >= 0"),
                         (args.eval_n >= 1 and (args.eval_limit is None or args.eval_limit >= 1),
                          "--eval-n and --eval-limit must be >= 1"),
-                        (bool(args.eval_seeds), "--eval-seeds is empty"), (args.save_every >= 1, "--save-every >= 1")]:
+                        (bool(args.eval_seeds), "--eval-seeds is empty"), (args.save_every >= 1, "--save-every >= 1"),
+                        (args.halfwidth is None or args.halfwidth > 0, "--halfwidth must be > 0"),
+                        (not args.plan or args.halfwidth is not None, "--plan needs --halfwidth POINTS")]:
         if not ok:
             p.error(message)
     return args
+
+
+def _seed_range(text: str) -> range:
+    """ "7" -> 7; "0-39" -> 0..39."""
+    first, dash, last = text.strip().partition("-")
+    return range(int(first), int(last if dash else first) + 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -642,6 +723,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise StudyError(f"{out / 'study.json'} does not exist: no study to report on in {out}")
             log(f"report: {write_report(out, list(saved_methods(out)), args.reference)}")
             return 0
+        if args.plan:
+            if not (out / "study.json").is_file():
+                raise StudyError(f"{out / 'study.json'} does not exist: --plan reads a study's finished pairs")
+            print_plan(out, args)
+            return 0
         if not asked:
             raise StudyError("--methods is empty: name the methods to run, e.g. --methods apmpo,grpo")
         slots = parse_parallel(args.parallel, _visible_gpus() if args.parallel else None)
@@ -650,7 +736,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan_runs(out, settings, methods, asked, args.seeds)
         records.load_results(out)  # every finished run's record: a broken one stops the study before anything runs
         lock = lock_study(out)
-        save_study(out, settings, methods)
+        plan = preregister(out, args)
+        save_study(out, settings, methods, plan)
     except ConfigError as error:
         print(f"apmpo.study: bad config: {error}", file=sys.stderr)
         return 2

@@ -67,9 +67,25 @@ class Record(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
+SCORES = ("last", "auc")  # the last policy's pass@1 (mean over benchmarks), the validation curve's mean
+
+
+class Plan(Record):
+    """The question a study answers, fixed before its first run (`--halfwidth`): `method` - `reference` on `score`
+    over exactly `seeds`, a 95% paired t-interval of half-width `halfwidth` points as the planned precision. The
+    answer is read on these seeds only, once all have finished: a study stopped, or extended, when its interval
+    looked good would not hold its 95%."""
+    method: str
+    reference: str
+    score: Literal[SCORES]
+    seeds: tuple[Annotated[int, Field(ge=0)], ...] = Field(min_length=2)
+    halfwidth: float = Field(gt=0)  # points of the score (percent)
+
+
 class Study(Record):
     settings: Settings
     methods: dict[str, tuple[str, ...]]
+    plan: Plan | None = None
 
 
 class Elapsed(Record):

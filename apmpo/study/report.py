@@ -1,29 +1,28 @@
 """A study's report: every finished run's result.json in one table per checkpoint, as the paper's Table 1, plus
-what the paper lacks: each method's difference from a reference method with a 95% bootstrap confidence interval,
-and the area under the validation curve.
+what the paper lacks: each method's difference from a reference method with a 95% interval that holds at few
+seeds, the probability of improvement, the area under the validation curve, and the answer to the study's
+pre-registered question (study.json's plan).
 
     python -m apmpo.study --out studies/smollm2_arith --report        # rewrites report.md and report.json
 
-The statistics (Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice"):
+The statistics (apmpo/study/stats.py; Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice"):
 - A run's score on a benchmark is its mean per-problem Pass@k (apmpo.eval.metrics); a method's cell is the mean
   ± sample std (ddof=1) of its runs' scores over training seeds, as the paper reports over 3 seeds.
 - The difference from the reference is paired: runs of both methods that share a training seed saw the same
-  prompts in the same order and were evaluated with the same sampling seed. Each bootstrap resample draws the
-  shared seeds with replacement and, per benchmark, the problems with replacement (the same draw for both
-  methods); the difference of the resample's means is one draw. The 95% interval is the 2.5th and 97.5th
-  percentiles of 10,000 draws. An interval that holds 0 is no measured difference. One pair gives no interval:
-  the variation between seeds, the larger part in RL, would be unknown.
-- Seeds ahead: of the pairs, how many the method won (its mean over problems higher). The interval is read with
-  it: resampling few seeds cannot reach past what they showed, so with 2 or 3 pairs an interval excludes 0 about
-  when all pairs differ the same way, which two equal methods do 1 time in 2 with two pairs, 1 in 4 with three
-  (an exact sign test needs 6 pairs of 6 for p < 0.05). Few seeds make the interval a description of the seeds
-  run, not a test.
+  prompts in the same order and were evaluated with the same sampling seed. A seed's difference is the mean over
+  benchmarks of its mean difference over problems; the interval is the paired t-interval over those seeds, exact
+  under normal differences at any number of seeds (a percentile bootstrap over 6 seeds covers about 87%, not
+  95%). The problems are the benchmark's, the same for both methods: the question is about this benchmark, and
+  their sampling noise is inside each seed's difference. One pair gives no interval.
+- Seeds ahead and P: of the pairs, how many the method won, and rliable's probability of improvement for paired
+  runs (ties count half) with its Clopper-Pearson interval.
 - IQM, the interquartile mean of the runs' scores (scipy's trim_mean at 25%, as rliable): robust to one run that
   diverged. With fewer than 4 runs it trims nothing and equals the mean.
 - AUC: the area under a run's validation curve (val/<benchmark>/pass@1 against the step, trapezoids) divided by
   its span of steps, i.e. the mean validation score over training: a method that learns sooner scores higher even
-  when every method ends at the same place. Its interval resamples seeds only (validation keeps no per-problem
-  scores).
+  when every method ends at the same place.
+- The pre-registered question (`answer`): the plan's method against its reference on its score, over its seeds
+  only, read once all of them have finished; until then the report calls it interim.
 """
 from __future__ import annotations
 
@@ -33,10 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from apmpo.study import records
+from apmpo.study import records, stats
 
 CHECKPOINTS = ("last", "best")  # the last step's policy, and the best by validation (checkpoint.keep_best)
-RESAMPLES = 10_000
 
 
 # ---------------------------------------------------------------------------- statistics (pure)
@@ -56,37 +54,26 @@ def iqm(values: list[float]) -> float:
     return statistics.fmean(kept)
 
 
-def paired_bootstrap(method: list[np.ndarray], reference: list[np.ndarray], resamples: int = RESAMPLES,
-                     seed: int = 0, problems: bool = True) -> dict:
-    """The mean difference method - reference and its 95% percentile interval.
+def paired_difference(method: list[np.ndarray], reference: list[np.ndarray]) -> dict:
+    """The mean difference method - reference over the paired seeds, its 95% paired t-interval, the seeds ahead and
+    the probability of improvement (apmpo.study.stats).
 
     `method[b]` and `reference[b]` are [seeds, problems] per-problem scores of benchmark b, rows in the same seed
-    order (pairs). A draw resamples the seeds (once, shared by every benchmark) and, when `problems`, each
-    benchmark's problems (shared by the two methods); the statistic is the mean over benchmarks of the mean
-    difference. With `problems=False` the arrays may have one column (a per-seed score, as the AUC)."""
+    order (pairs); a per-seed score (the AUC) is one column. A seed's difference is the mean over benchmarks of its
+    mean difference over problems: the seeds are the sample, each holding its problems' evaluation noise."""
     diffs = [np.asarray(m, float) - np.asarray(r, float) for m, r in zip(method, reference, strict=True)]
-    num_seeds = diffs[0].shape[0]
-    if any(d.shape[0] != num_seeds for d in diffs):
+    if any(d.shape[0] != diffs[0].shape[0] for d in diffs):
         raise ValueError("every benchmark needs the same seeds")
-    rng = np.random.default_rng(seed)
-    seed_draw = rng.integers(0, num_seeds, size=(resamples, num_seeds))
-    draws = np.zeros(resamples)
-    for d in diffs:
-        if problems:
-            problem_draw = rng.integers(0, d.shape[1], size=(resamples, d.shape[1]))
-            # per seed, the mean over each draw's problems: [seeds, resamples]
-            per_seed = np.stack([row[problem_draw].mean(axis=1) for row in d])
-        else:
-            per_seed = np.repeat(d.mean(axis=1, keepdims=True), resamples, axis=1)
-        draws += per_seed[seed_draw, np.arange(resamples)[:, None]].mean(axis=1)
-    draws /= len(diffs)
-    low, high = np.percentile(draws, [2.5, 97.5])
     per_seed = np.mean([d.mean(axis=1) for d in diffs], axis=0)  # each pair's difference, over benchmarks
-    mean, ahead = float(per_seed.mean()), int((per_seed > 0).sum())  # ahead: the pairs the method won
-    if num_seeds < 2:  # one pair: its seed's variation is unknown, so no interval is given
-        return {"diff": mean, "low": None, "high": None, "pairs": num_seeds, "ahead": ahead, "significant": False}
-    return {"diff": mean, "low": float(low), "high": float(high), "pairs": num_seeds, "ahead": ahead,
-            "significant": bool(low > 0 or high < 0)}
+    pairs, mean = len(per_seed), float(per_seed.mean())
+    improve = stats.improvement(per_seed)
+    out = {"diff": mean, "low": None, "high": None, "pairs": pairs, "ahead": int((per_seed > 0).sum()),
+           "per_seed": per_seed.tolist(), "improvement": [improve.p, improve.low, improve.high],
+           "significant": False}
+    if pairs >= 2:  # one pair: its seed's variation is unknown, so no interval is given
+        t = stats.paired_t(per_seed)
+        out |= {"low": t.low, "high": t.high, "sd": t.sd, "significant": bool(t.low > 0 or t.high < 0)}
+    return out
 
 
 def validation_auc(curve: list[tuple[int, float]]) -> float | None:
@@ -110,19 +97,18 @@ def mean_std(values: list[float]) -> dict:
 
 
 def build(results: dict[str, dict[int, dict]], methods: list[str], reference: str,
-          resamples: int = RESAMPLES) -> dict:
+          plan: records.Plan | None = None) -> dict:
     """report.json's content: per checkpoint, per method, per benchmark Pass@1 / Pass@k (mean ± std, IQM), their
     average over benchmarks, the paired difference from `reference` with its interval; and the validation AUC."""
     methods = [m for m in methods if m in results] + sorted(set(results) - set(methods))
-    report: dict = {"reference": reference, "resamples": resamples, "methods": {}, "checkpoints": {}}
+    report: dict = {"reference": reference, "methods": {}, "checkpoints": {}}
     for method in methods:
         runs = results[method]
         report["methods"][method] = {
             "seeds": sorted(runs), "loss": next(iter(runs.values()))["loss"],
             "overrides": next(iter(runs.values()))["overrides"],
             "minutes": mean_std([r["seconds"] / 60 for r in runs.values()]),
-            "auc": _auc(runs), "auc_vs_reference": _auc_diff(runs, results.get(reference), method, reference,
-                                                              resamples)}
+            "auc": _auc(runs), "auc_vs_reference": _auc_diff(runs, results.get(reference), method, reference)}
     for which in CHECKPOINTS:
         table = {}
         for method in methods:
@@ -133,8 +119,10 @@ def build(results: dict[str, dict[int, dict]], methods: list[str], reference: st
             ref_evals = {s: r["eval"][which] for s, r in (results.get(reference) or {}).items()
                          if r["eval"].get(which)}
             if method != reference and ref_evals:
-                table[method]["vs_reference"] = _paired(evals, ref_evals, resamples)
+                table[method]["vs_reference"] = _paired(evals, ref_evals)
         report["checkpoints"][which] = table
+    if plan is not None:
+        report["answer"] = answer(results, plan)
     return report
 
 
@@ -164,7 +152,7 @@ def _scores(evals: dict[int, dict]) -> dict:
     return out
 
 
-def _paired(evals: dict[int, dict], ref_evals: dict[int, dict], resamples: int) -> dict:
+def _paired(evals: dict[int, dict], ref_evals: dict[int, dict]) -> dict:
     seeds = sorted(set(evals) & set(ref_evals))
     if not seeds:
         return {"pairs": 0}
@@ -176,8 +164,8 @@ def _paired(evals: dict[int, dict], ref_evals: dict[int, dict], resamples: int) 
         names = [b for b in _benchmarks(evals) if b in ref_evals[seeds[0]]["benchmarks"]]
         ours = [np.stack([per_problem(evals[s], b) for s in seeds]) for b in names]
         theirs = [np.stack([per_problem(ref_evals[s], b) for s in seeds]) for b in names]
-        out[f"pass@{k}"] = {"average": paired_bootstrap(ours, theirs, resamples),
-                            **{b: paired_bootstrap([o], [t], resamples) for b, o, t in zip(names, ours, theirs)}}
+        out[f"pass@{k}"] = {"average": paired_difference(ours, theirs),
+                            **{b: paired_difference([o], [t]) for b, o, t in zip(names, ours, theirs)}}
     return out
 
 
@@ -190,7 +178,7 @@ def _auc(runs: dict[int, dict]) -> dict | None:
     return mean_std(values) if values else None
 
 
-def _auc_diff(runs, ref_runs, method, reference, resamples) -> dict | None:
+def _auc_diff(runs, ref_runs, method, reference) -> dict | None:
     if method == reference or not ref_runs:
         return None
     seeds = [s for s in sorted(set(runs) & set(ref_runs))
@@ -199,7 +187,35 @@ def _auc_diff(runs, ref_runs, method, reference, resamples) -> dict | None:
         return None
     ours = np.array([[validation_auc(_curve(runs[s]))] for s in seeds])
     theirs = np.array([[validation_auc(_curve(ref_runs[s]))] for s in seeds])
-    return paired_bootstrap([ours], [theirs], resamples, problems=False)
+    return paired_difference([ours], [theirs])
+
+
+def scores(runs: dict[int, dict], seeds: list[int], score: str) -> list[np.ndarray]:
+    """A plan's score of each seed's run, as paired_difference takes it: per benchmark [seeds, problems] pass@1 of
+    the last policy ("last"), or one column of validation AUC ("auc")."""
+    if score == "auc":
+        return [np.array([[validation_auc(_curve(runs[s]))] for s in seeds])]
+    last = {s: runs[s]["eval"]["last"] for s in seeds}
+    return [np.stack([pass_rates(last[s]["benchmarks"][b]["correct"], last[s]["n"], 1) for s in seeds])
+            for b in _benchmarks(last)]
+
+
+def answer(results: dict[str, dict[int, dict]], plan: records.Plan) -> dict:
+    """The pre-registered question on the plan's seeds: its difference once any pair has finished, and the verdict
+    once all have: "difference" (the interval excludes 0), "equal" (it lies within +-halfwidth), "wider" (neither:
+    the spread was larger than planned); before that "interim"."""
+    ours, theirs = results.get(plan.method, {}), results.get(plan.reference, {})
+    done = [s for s in plan.seeds if s in ours and s in theirs]
+    out = {"plan": plan.model_dump(), "finished": done,
+           "outside_plan": sorted((set(ours) & set(theirs)) - set(plan.seeds)), "verdict": "interim"}
+    if not done:
+        return out
+    d = out["difference"] = paired_difference(scores(ours, done, plan.score), scores(theirs, done, plan.score))
+    if len(done) == len(plan.seeds):
+        h = plan.halfwidth / 100
+        out["verdict"] = ("difference" if d["significant"] else
+                          "equal" if -h <= d["low"] and d["high"] <= h else "wider")
+    return out
 
 
 # ---------------------------------------------------------------------------- Markdown
@@ -222,19 +238,24 @@ def _interval(d: dict | None) -> str:
 
 
 def _ahead(d: dict | None) -> str:
-    return f"{d['ahead']}/{d['pairs']}" if d and d.get("pairs") else "–"
+    """Seeds ahead, and P(method > reference on a seed) with its 95% interval."""
+    if not d or not d.get("pairs"):
+        return "–"
+    p, low, high = d["improvement"]
+    return f"{d['ahead']}/{d['pairs']}, P {p:.2f} [{low:.2f}, {high:.2f}]"
 
 
 def render(report: dict, title: str = "Study") -> str:
     ref = report["reference"]
     lines = [f"# {title}", "",
              "Cells: percent, mean ± std over training seeds (one run per seed). Δ vs "
-             f"{ref}: the paired difference with its 95% bootstrap interval over seeds and problems "
-             f"({report['resamples']:,} resamples); **bold** when the interval excludes 0, otherwise there is no "
-             f"measured difference. Seeds ahead: the pairs (same seed) in which the method beat {ref}. With few "
-             "seeds read the two together: an interval excludes 0 about when all pairs went the same way, which two "
-             "equal methods do 1 time in 2 with two pairs and 1 in 4 with three (a sign test needs 6 of 6 for "
-             "p < 0.05).", ""]
+             f"{ref}: the paired difference over the seeds both ran, with its 95% paired t-interval (each seed's "
+             "difference averaged over the problems; the t-interval holds its coverage at few seeds, where a "
+             "percentile bootstrap over 6 seeds covers about 87%); **bold** when it excludes 0, otherwise there is "
+             f"no measured difference. Seeds ahead: the pairs (same seed) in which the method beat {ref}, and P, "
+             "the probability of improvement (rliable's; ties count half) with its Clopper-Pearson interval.", ""]
+    if report.get("answer"):
+        lines += _answer(report["answer"])
     for which in CHECKPOINTS:
         table = report["checkpoints"].get(which)
         if not table:
@@ -286,14 +307,46 @@ def render(report: dict, title: str = "Study") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _answer(a: dict) -> list[str]:
+    plan, d, done = a["plan"], a.get("difference"), a["finished"]
+    what = {"last": "the last policy's pass@1", "auc": "the mean validation pass@1 over training"}[plan["score"]]
+    m, ref, n, h = plan["method"], plan["reference"], len(plan["seeds"]), plan["halfwidth"]
+    lines = ["## The pre-registered question", "",
+             f"{m} − {ref} on {what}, over {n} seeds ({_seeds(plan['seeds'])}), for a 95% paired t-interval of "
+             f"half-width ±{h:.1f} points: fixed in study.json before the first run.", ""]
+    if d is None:
+        return lines + ["No pair has finished yet.", ""]
+    p, low, high = d["improvement"]
+    found = (f"{_interval(d)} points, {m} ahead on {d['ahead']} of {d['pairs']} seeds, P({m} > {ref} on a seed) = "
+             f"{p:.2f} [{low:.2f}, {high:.2f}]")
+    verdict = {
+        "interim": f"**Interim, not the answer**: {len(done)} of {n} pairs have finished: {found}. The answer is read "
+                   "once all have finished; a study stopped when its interval looked decisive would not hold its 95%.",
+        "difference": f"**Answer: a measured difference**: {found}.",
+        "equal": f"**Answer: equal within ±{h:.1f} points**: {found}.",
+        "wider": f"**Answer: no measured difference, and not equal within ±{h:.1f}**: {found}; the seeds spread more "
+                 "than the plan assumed (a new question needs a new plan, in another study).",
+    }[a["verdict"]]
+    lines.append(verdict)
+    if a["outside_plan"]:
+        lines.append(f"Seeds {_seeds(a['outside_plan'])} are not in the plan: in the tables below, not in the answer.")
+    return lines + [""]
+
+
+def _seeds(seeds: list[int]) -> str:
+    seeds = sorted(seeds)
+    return f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2 else \
+        ", ".join(map(str, seeds))
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return (["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
             + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def write(study: Path, methods: list[str], reference: str, title: str, resamples: int = RESAMPLES) -> dict:
+def write(study: Path, methods: list[str], reference: str, title: str, plan: records.Plan | None = None) -> dict:
     """report.json and report.md in the study folder, from its finished runs."""
-    report = build(records.load_results(study), methods, reference, resamples)
+    report = build(records.load_results(study), methods, reference, plan)
     records.write_atomic(study / "report.json", json.dumps(report, indent=1) + "\n")
     records.write_atomic(study / "report.md", render(report, title))
     return report
