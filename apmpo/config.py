@@ -131,8 +131,15 @@ class ModelConfig:
     path: str = path_field("Qwen/Qwen2.5-Math-1.5B-Instruct")
     # The learner's dtype. auto: bf16 where the hardware computes it natively (a GPU; a CPU with AMX or AVX512-BF16,
     # where bf16 matmuls run about 4x fp32's), else fp32. Resolved when the config is built, so a run's config.yaml
-    # holds what ran; ranks on several CPU hosts each resolve it on theirs.
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    # holds what ran; ranks on several CPU hosts each resolve it on theirs. fp16: DeepSpeed's fp16 with dynamic loss
+    # scaling (fp32 masters), the engine in float16 too unless rollout.dtype says otherwise: 8x finer than bf16,
+    # which the FP16 paper (arXiv 2510.26788) found removes the learner-engine mismatch. GPUs only, checked at load
+    # (native_fp16): DeepSpeed refuses fp16 on a CPU whose oneDNN has no fp16 (this project's AMD CPUs).
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    # The learner's LM head: "fp32" computes the logits as hidden.float() @ weight.float().T (tied embeddings too:
+    # the cast is of the operands, the parameter stays in dtype); "model": in dtype, the softmax in fp32 either way.
+    # The engine's follows it unless rollout.head_dtype says otherwise. No effect on an fp32 side.
+    head_dtype: Literal["model", "fp32"] = "model"
     # Recompute activations in the backward. None: on when the learner runs on a GPU, where the default
     # micro_batch_tokens (16384) of a 1.5B model does not fit in 80 GB without it; off on CPU (small models, where
     # the recomputation is only time).
@@ -202,7 +209,10 @@ class RolloutConfig:
     enforce_eager: bool = False
     # The engines' dtype; "auto": the learner's (model.dtype). Another one isolates what each side's precision does
     # to learning (docs/precision.md): a bf16 engine sampling for an fp32 learner is a GPU run's usual mismatch.
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    # The engines' LM head, and so the logits they sample from (vLLM's hf-overrides {"head_dtype": "float32"}, which
+    # casts the head's operands on CPU and accumulates a bf16/fp16 matmul in fp32 on CUDA); "auto": model.head_dtype.
+    head_dtype: Literal["auto", "model", "fp32"] = "auto"
     weight_sync: Literal["auto", Transport] = "auto"  # auto: apmpo.rollout.weight_sync.select_transport
     bucket_mb: int = ranged(256, "[1, 2**16]")  # weight-sync bucket size
     # How long either side of a weight sync waits for the other: the workers' join of the group (made before any
@@ -245,7 +255,8 @@ class OptimConfig:
     max_grad_norm: float = ranged(1.0, "[0, 1e6]")  # gradient clipping; 0: off (DeepSpeed's gradient_clipping)
     # A bf16 learner's fp32 master weights start at a random point of each weight's bf16 rounding interval, its
     # bf16 weights unchanged: a master loaded from bf16 sits on the grid, where every drift under half a bf16 step
-    # is lost to the forward, and RL's small noisy updates are such drifts (docs/precision.md). No effect in fp32.
+    # is lost to the forward, and RL's small noisy updates are such drifts (docs/precision.md). fp16 learners are
+    # dithered likewise on fp16's grid. No effect in fp32.
     dither_master: bool = True
 
 
@@ -374,7 +385,13 @@ class Config:
     def engine_dtype(self) -> str:
         """The generation servers' --dtype: rollout.dtype, or the learner's."""
         dtype = self.model.dtype if self.rollout.dtype == "auto" else self.rollout.dtype
-        return {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+        return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+
+    @property
+    def engine_head_dtype(self) -> str | None:
+        """The generation servers' --head-dtype: "float32", or None for the engine's dtype."""
+        head = self.model.head_dtype if self.rollout.head_dtype == "auto" else self.rollout.head_dtype
+        return "float32" if head == "fp32" and self.engine_dtype != "float32" else None
 
     @property
     def total_optimizer_steps(self) -> int:
@@ -399,6 +416,7 @@ class Config:
                 f"> rollout.max_model_len ({r.max_model_len}): the longest prompts could not be completed; lower "
                 "one of the first two or raise the third")
         _check_correction(self)
+        _warn_if_head_dtype_does_nothing(self)
         _check_zero(self)
         _check_servers(self)
         _check_episodes(self)
@@ -474,6 +492,12 @@ def _check_sources(cfg: Config) -> None:
             raise ConfigError(f"data.env {cfg.data.env!r}: {type(exc).__name__}: {exc}") from None
     else:
         _check_reward(cfg.data.reward)
+    if cfg.model.dtype == "fp16" and not native_fp16():
+        raise ConfigError(
+            "model.dtype: fp16 needs a GPU, or a CPU whose oneDNN computes fp16 (AVX512-FP16 or AMX-FP16), and this "
+            f"CPU has neither (torch {torch.__version__}: oneDNN fp16 unsupported): DeepSpeed refuses fp16 here ('Type "
+            "fp16 is not supported on your device'), and fp16 matmuls would be converted to fp32, slower than fp32 "
+            "itself. Use bf16 or fp32 on this machine (docs/precision.md)")
     if cfg.rollout.weight_sync in ("nccl", "cuda_ipc") and not torch.cuda.is_available():
         raise ConfigError(f"rollout.weight_sync: {cfg.rollout.weight_sync} needs CUDA, which this machine lacks; "
                           "use auto (gloo or shm on CPU)")
@@ -548,6 +572,18 @@ def _warn_if_ratios_are_one(cfg: Config) -> None:
             "train.mini_batch_size, train.epochs 1, synchronous): every ratio is 1, so the clip and the sequence "
             f"mean never act and the gradient equals GRPO's. For {cfg.loss.name} to differ, take several optimiser "
             "steps per batch: lower train.mini_batch_size or raise train.epochs"), stacklevel=3)
+
+
+def _warn_if_head_dtype_does_nothing(cfg: Config) -> None:
+    """An fp32 head where the side it reaches computes in fp32 already: it changes nothing."""
+    m, r = cfg.model, cfg.rollout
+    engine_fp32 = cfg.engine_dtype == "float32"
+    unused = ([("rollout.head_dtype", "the engine's dtype")] if r.head_dtype == "fp32" and engine_fp32 else []) + (
+        [("model.head_dtype", "model.dtype and the engine's dtype")]
+        if m.head_dtype == "fp32" and m.dtype == "fp32" and (r.head_dtype != "auto" or engine_fp32) else [])
+    for key, dtypes in unused:
+        warnings.warn(ConfigWarning(f"{key}: fp32 changes nothing here: {dtypes} (what it reaches) are fp32 "
+                                    "already"), stacklevel=3)
 
 
 def _check_servers(cfg: Config) -> None:
@@ -684,6 +720,14 @@ def native_bf16() -> str | None:
     except OSError:
         return None
     return next((f"this CPU's {flag}" for flag in ("amx_bf16", "avx512_bf16") if flag in flags), None)
+
+
+def native_fp16() -> str | None:
+    """What computes fp16 here ("a GPU", or a CPU whose oneDNN has fp16: AVX512-FP16 or AMX-FP16), else None. The
+    same test as DeepSpeed's CPU accelerator, which refuses an fp16 engine without it."""
+    if torch.cuda.is_available():
+        return "a GPU"
+    return "this CPU's oneDNN fp16" if torch.ops.mkldnn._is_mkldnn_fp16_supported() else None
 
 
 def save_config(config: Config, path: str | Path) -> None:

@@ -39,7 +39,7 @@ from apmpo.config import Config, ConfigError, load_config, native_bf16
 from apmpo.learner.checkpoint import check_zero_stage, resume as resume_checkpoint, save_checkpoint
 from apmpo.learner.driver import Driver
 from apmpo.learner.engine import (build_engine, check_devices, close_distributed, init_distributed, load_model,
-                                  partition_reference)
+                                  loss_scale_metrics, partition_reference, step_failed)
 from apmpo.learner.nodes import Nodes
 from apmpo.learner.prepare import load_vision, prepare_model
 from apmpo.learner.step import train_on_batch
@@ -106,7 +106,8 @@ def main(cfg: Config, resume: str) -> None:
 
             # ---------------------------------------------------------- 6-7. log-probs, then the optimiser steps
             metrics = train_on_batch(engine, reference, rollouts, params, cfg, dist, tokenizer.pad_token_id, step_seed)
-            skipped_in_a_row = skipped_in_a_row + 1 if metrics["train/skipped_steps"] else 0
+            metrics |= loss_scale_metrics(engine)
+            skipped_in_a_row = skipped_in_a_row + 1 if step_failed(cfg, metrics) else 0
             if skipped_in_a_row >= cfg.train.max_skipped_in_a_row:
                 raise RuntimeError(
                     f"{skipped_in_a_row} steps in a row had a non-finite loss or gradient norm (step {step}: "

@@ -29,6 +29,11 @@ Covered (nothing here needs vLLM, which the GPU box we borrow cannot carry):
   so beside learner_gc it is the gathers' and hooks' cost and the memory they add, not ZeRO-3's saving.
 - learner_fp32_comm: learner_gc with train.communication_data_type fp32 (ZeRO's reduce-scatter in fp32); on one
   GPU the figure is the casts' cost only, a multi-GPU run also sends twice the bytes.
+- learner_fp16: learner_gc under model.dtype fp16 (DeepSpeed's fp16, dynamic loss scaling): tokens/s, peak memory,
+  the loss scale, skipped steps (the scaler's search, reported) and the share of masters dithered on fp16's grid.
+  (--dry-run: DeepSpeed's refusal of fp16 on a CPU without oneDNN fp16 is lifted for it, deepspeed_fp16_on_cpu.)
+- precision_error: the learner's per-token log-prob error against an fp64 forward (fp32, bf16, bf16 + fp32 head,
+  fp16; benchmarks/precision_error.py's functions) on the random Qwen2.5-1.5B-shaped model and random tokens.
 - zero2_grads: ZeRO-2 gradients on one rank (DeepSpeed's fp32 partition, read with safe_get_full_grad) equal a
   plain torch backward of the same loss over two micro-batches: the learner's forwards call `engine.module` and
   rely on `engine.backward` to reduce at the boundary, which a DeepSpeed upgrade could break.
@@ -40,7 +45,9 @@ Not covered: anything of vLLM's (generation, the in-place reload of pushed weigh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -248,23 +255,25 @@ def _installed(distribution: str) -> bool:
 
 
 def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_type: str | None = None,
-                  zero_stage: int = 2) -> Outcome:
+                  zero_stage: int = 2, dtype: str | None = None) -> Outcome:
     """Steps 6-7 of a training step (`train_on_batch`, apmpo/learner/step.py) on a random Qwen2.5-1.5B-shaped model.
     `communication_data_type` (train.communication_data_type): fp32 reduce-scatters the gradients in fp32. On one
     rank nothing crosses a wire: its figure is the cost of the casts, and a multi-GPU run adds twice the bytes.
     `zero_stage` 3: the weights are partitioned (on one rank, whole) and gathered a module at a time; the figure is
-    the gathers' and hooks' cost on the same shape."""
+    the gathers' and hooks' cost on the same shape. `dtype` (model.dtype; None: the shapes'): fp16 runs DeepSpeed's
+    fp16 with dynamic loss scaling, whose skipped steps (the scale's search) are reported, not failed."""
     _require_deepspeed()
     from apmpo.config import Config, ModelConfig, RolloutConfig, TrainConfig
     from apmpo.learner.batching import Rollout
     from apmpo.learner.zero3 import full_shape
-    from apmpo.learner.engine import build_engine, init_distributed, load_model, partition_reference
+    from apmpo.learner.engine import (build_engine, init_distributed, load_model, loss_scale_metrics,
+                                      partition_reference)
     from apmpo.learner.step import train_on_batch
     from apmpo.loss import adaptive_params, group_advantages
 
     dist = init_distributed()
     model_dir = _random_model_dir(s)
-    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[s.dtype]
+    dtype = dtype or {torch.bfloat16: "bf16", torch.float32: "fp32"}[s.dtype]
     # Without checkpointing, 16384 tokens of 1.5B activations (~60 GB in bf16) and the ZeRO-2 states (~27 GB)
     # exceed an 80 GB GPU: that run takes a quarter of the budget, and says so.
     micro_batch_tokens = s.micro_batch_tokens if gradient_checkpointing else s.micro_batch_tokens // 4
@@ -284,18 +293,21 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
 
     memory = PeakMemory(s.device)
     memory.reset()
-    engine = build_engine(load_model(model_dir, cfg, dist.device), cfg, dist)
-    reference = partition_reference(load_model(model_dir, cfg, dist.device, trainable=False), cfg) \
-        if cfg.loss.kl_beta > 0 else None
+    with deepspeed_fp16_on_cpu() if dtype == "fp16" and s.device == "cpu" else contextlib.nullcontext():
+        engine = build_engine(load_model(model_dir, cfg, dist.device), cfg, dist)
+        reference = partition_reference(load_model(model_dir, cfg, dist.device, trainable=False), cfg) \
+            if cfg.loss.kl_beta > 0 else None
+    dithered = dithered_share(engine.module) if dtype != "fp32" and zero_stage != 3 else None  # ZeRO-3: partitioned
     models = 1 + (reference is not None)  # that the old (and reference) log-probs run the rows through
     try:
-        logprob_s, update_s, metrics = [], [], {}
+        logprob_s, update_s, metrics, skipped = [], [], {}, 0
         for i in range(1 + s.repeats):  # the first is a warm-up
             synchronize(s.device)
             start = time.perf_counter()
             # recompute_old: the old log-probs get their own forward, as with the paper's 4 optimiser steps per batch
             metrics = train_on_batch(engine, reference, rollouts, params, cfg, dist, pad_id=0, seed=i,
-                                     recompute_old=True)
+                                     recompute_old=True) | loss_scale_metrics(engine)
+            skipped += metrics["train/skipped_steps"]
             synchronize(s.device)
             if i:
                 # The log-prob phase is timed inside without a final device sync, so its last forward may end
@@ -313,9 +325,11 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
         gc.collect()
         if s.device == "cuda":
             torch.cuda.empty_cache()
-    bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
-    if bad or metrics["train/skipped_steps"]:
-        raise CheckFailed(f"non-finite metrics {bad}, {metrics['train/skipped_steps']} optimiser steps skipped")
+    # fp16: a step skipped for an overflow of the scaled gradients (its grad norm inf) is the loss scaler's search
+    scaler_skip = dtype == "fp16" and metrics["train/skipped_steps"] and math.isfinite(metrics["loss/total"])
+    bad = {k: v for k, v in metrics.items() if not math.isfinite(v) and not (scaler_skip and k == "optim/grad_norm")}
+    if bad or (skipped if dtype != "fp16" else skipped == 1 + s.repeats):
+        raise CheckFailed(f"non-finite metrics {bad}, {skipped} of {1 + s.repeats} optimiser steps skipped")
 
     tokens = sum(r.num_tokens for r in rollouts)
     update, logprob = statistics.median(update_s), statistics.median(logprob_s)
@@ -332,11 +346,48 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
         "gradient_checkpointing": checkpointing, "peak_tflops": peak_flops_per_s / 1e12,
         "micro_batch_tokens": micro_batch_tokens,
         "communication_data_type": str(engine_comm_dtype).removeprefix("torch."), "zero_stage": zero_stage,
+        "dtype": dtype, "masters_dithered_share": dithered, "loss": metrics["loss/total"], "skipped_steps": skipped,
+        "steps": 1 + s.repeats,
+        **({"loss_scale": metrics["optim/loss_scale"]} if "optim/loss_scale" in metrics else {}),
     }
     return Outcome(figures, f"{tokens / update:,.0f} tokens/s in the update, MFU {figures['mfu']:.1%} "
                             f"({figures['mfu_with_attention']:.1%} with attention), peak memory {peak / GiB:.1f} GiB, "
                             f"{num_params / 1e6:,.1f}M params, {tokens} tokens per step, "
-                            f"micro_batch_tokens {micro_batch_tokens}")
+                            f"micro_batch_tokens {micro_batch_tokens}"
+                            + (f", loss scale {metrics['optim/loss_scale']:g}, {skipped} of {1 + s.repeats} steps "
+                               "skipped" if "optim/loss_scale" in metrics else ""))
+
+
+def dithered_share(module) -> float:
+    """The share of the trainable weights whose fp32 master (optim.dither_master) lies off its bf16 or fp16 weight;
+    raises CheckFailed where a master does not round to its weight (the forward would not be the master's)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    moved = total = 0
+    for param in (p for p in module.parameters() if p.requires_grad):
+        master = safe_get_full_fp32_param(param)
+        if not torch.equal(master.to(param.dtype), param.detach()):
+            raise CheckFailed(f"a master does not round to its {param.dtype} weight")
+        moved += int((master != param.detach().float()).sum())
+        total += master.numel()
+    return moved / total
+
+
+@contextlib.contextmanager
+def deepspeed_fp16_on_cpu():
+    """DeepSpeed builds an fp16 engine on this CPU, whose oneDNN has no fp16 (its accelerator's check, which
+    apmpo.config.native_fp16 repeats for a run, is lifted meanwhile). A WORKAROUND for the dry run only: its fp16
+    matmuls are converted to fp32, slow but right at tiny shapes, so that the fp16 learner's code (loss scaling,
+    skipped steps) runs here too."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = type(get_accelerator())
+    check = accelerator.is_fp16_supported
+    accelerator.is_fp16_supported = lambda self: True
+    try:
+        yield
+    finally:
+        accelerator.is_fp16_supported = check
 
 
 _MODEL_DIRS: dict[Shapes, str] = {}
@@ -405,6 +456,46 @@ def _interleaved(runs: dict[str, Callable[[], None]], s: Shapes, warmup: int = 2
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def check_precision_error(s: Shapes) -> Outcome:
+    """The learner's per-token log-prob error against an fp64 forward of the same tokens, in each precision of
+    benchmarks/precision_error.py (its functions), on a random Qwen2.5-1.5B-shaped model and random tokens: the
+    GPU's kernels' rounding (cuBLAS, SDPA's fp16 and bf16 kernels), where the CPU's figures come from oneDNN and
+    emulated fp16. A random model's next-token distributions are near uniform (log-probs about -log(vocab)), so
+    these figures compare the candidates, not a trained model's error (benchmarks/precision_error.py)."""
+    import copy
+
+    bench = _benchmark_module("precision_error")
+    base = random_qwen2(s.model, torch.float32, s.device).eval()
+    g = torch.Generator().manual_seed(0)
+    vocab, prompt = s.model["vocab_size"], s.prompt_tokens
+    samples = [(torch.randint(vocab, (prompt,), generator=g).tolist(),
+                torch.randint(vocab, (s.logprob_seq - prompt,), generator=g).tolist(), [])
+               for _ in range(s.logprob_rows)]
+    fp64 = copy.deepcopy(base).double()
+    reference = bench.fp64_logprobs(fp64, samples, pad_id=0)
+    del fp64
+    figures = {"tokens": len(reference), "mean_logp64": float(reference.mean())}
+    for name, (dtype, head) in bench.CANDIDATES.items():
+        model = copy.deepcopy(base).to(bench.TORCH[dtype])
+        rms_rel, abs_nats = bench.errors(bench.learner_logprobs(model, samples, 0, head), reference)
+        figures |= {f"rms_rel_{name}": rms_rel, f"abs_nats_{name}": abs_nats}
+        del model
+    errors = {name: figures[f"rms_rel_{name}"] for name in bench.CANDIDATES}
+    if not all(map(math.isfinite, errors.values())) or not errors["fp32"] < errors["fp16"] < errors["bf16"]:
+        raise CheckFailed(f"RMS relative errors against fp64 out of the order fp32 < fp16 < bf16: {errors}")
+    return Outcome(figures, "RMS rel. error against fp64: " + ", ".join(
+        f"{name} {bench.percent(e)}" for name, e in errors.items())
+        + f" ({len(reference)} random tokens; bf16/fp16 {errors['bf16'] / errors['fp16']:.1f}x)")
+
+
+def _benchmark_module(name: str):
+    """benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(f"apmpo_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def check_logprobs(s: Shapes) -> Outcome:
@@ -671,6 +762,8 @@ CHECKS: dict[str, Callable[[Shapes], Outcome]] = {
     "learner_no_gc": lambda s: check_learner(s, gradient_checkpointing=False),
     "learner_fp32_comm": lambda s: check_learner(s, gradient_checkpointing=True, communication_data_type="fp32"),
     "learner_zero3": lambda s: check_learner(s, gradient_checkpointing=True, zero_stage=3),
+    "learner_fp16": lambda s: check_learner(s, gradient_checkpointing=True, dtype="fp16"),
+    "precision_error": check_precision_error,
     "zero2_grads": check_zero2_grads,
     "no_vllm": check_no_vllm,  # last: it looks at what the others imported
 }

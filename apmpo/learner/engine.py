@@ -123,7 +123,12 @@ def check_devices(cfg: Config, env: dict[str, str] = os.environ, gpu_count: int 
 
 
 def torch_dtype(cfg: Config) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.model.dtype]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.dtype]
+
+
+def head_dtype(cfg: Config) -> torch.dtype | None:
+    """The learner's LM-head dtype for apmpo.learner.logprobs: fp32, or None for the model's (model.head_dtype)."""
+    return torch.float32 if cfg.model.head_dtype == "fp32" else None
 
 
 def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = True):
@@ -135,6 +140,11 @@ def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = T
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=torch_dtype(cfg))
     model.to(device)
+    if cfg.model.dtype == "fp16":  # a bf16 or fp32 checkpoint's weights past fp16's range (65504) became infinite
+        beyond = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if beyond:
+            raise ValueError(f"model.dtype: fp16: {len(beyond)} weight(s) of {path} lie beyond fp16's range "
+                             f"(65504), e.g. {beyond[0]}; use bf16")
     if not trainable:
         return model.eval().requires_grad_(False)
     if cfg.model.lora is not None:  # only the adapter trains (the vision tower and merger too stay frozen)
@@ -182,7 +192,8 @@ def partition_reference(model, cfg: Config):
     attach_logprob_head(model)
     engine, *_ = deepspeed.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-        "bf16": {"enabled": cfg.model.dtype == "bf16"}, "steps_per_print": 1 << 30})
+        "bf16": {"enabled": cfg.model.dtype == "bf16"}, "fp16": {"enabled": cfg.model.dtype == "fp16"},
+        "steps_per_print": 1 << 30})
     return engine.module
 
 
@@ -214,21 +225,22 @@ def build_engine(model, cfg: Config, dist: Dist):
         config=deepspeed_config(cfg, dist),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
     )
-    if cfg.model.dtype == "bf16" and cfg.optim.dither_master:
-        dither_master_weights(engine.module, cfg.train.seed)
+    if cfg.model.dtype in ("bf16", "fp16") and cfg.optim.dither_master:
+        dither_master_weights(engine.module, cfg.train.seed, torch_dtype(cfg))
     return engine
 
 
-def dither_master_weights(module: torch.nn.Module, seed: int) -> None:
+def dither_master_weights(module: torch.nn.Module, seed: int, dtype: torch.dtype = torch.bfloat16) -> None:
     """Moves each trainable weight's fp32 master (DeepSpeed's) to a uniformly random point of the interval that
-    rounds to its bf16 value, which stays as it was. Why: the forward computes with round(master), and a master
-    made from bf16 weights sits on the grid, so a weight's forward value moves only once its master has drifted by
-    half a bf16 step (2^-9 of the weight), and Adam's updates of lr 1e-5 in noisy directions mostly do not get
-    there. Dithered, a drift d moves the forward value by a whole step with probability d / step: the forward sees
-    the update in expectation. On SmolLM2 after 24 optimiser steps (docs/precision.md) 7% of the bf16 weights had
-    moved and the forward saw 0.48x of what the master gained on held-out rollouts; dithered, 10% and 0.72x.
-    A resumed run's checkpoint then replaces these masters with its own. The same noise on every rank: each
-    sets its own partition from the same whole tensor."""
+    rounds to its `dtype` (bf16, fp16) value, which stays as it was. Why: the forward computes with round(master),
+    and a master made from bf16 weights sits on the grid, so a weight's forward value moves only once its master has
+    drifted by half a bf16 step (2^-9 of the weight), and Adam's updates of lr 1e-5 in noisy directions mostly do
+    not get there. Dithered, a drift d moves the forward value by a whole step with probability d / step: the
+    forward sees the update in expectation. On SmolLM2 after 24 optimiser steps (docs/precision.md) 7% of the bf16
+    weights had moved and the forward saw 0.48x of what the master gained on held-out rollouts; dithered, 10% and
+    0.72x. A resumed run's checkpoint then replaces these masters with its own. The same noise on every rank: each
+    sets its own partition from the same whole tensor. fp16's grid is 8x finer, its dead zone as much narrower:
+    2^-12 of the weight, still above a 1e-5 update of a weight of 0.1 (not measured in learning)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
     generator = None
@@ -238,14 +250,14 @@ def dither_master_weights(module: torch.nn.Module, seed: int) -> None:
             continue
         if generator is None:
             generator = torch.Generator(master.device).manual_seed(seed)
-        grid = master.bfloat16()
+        grid = master.to(dtype)
         inf, exact = torch.full_like(grid, float("inf")), grid.float()
-        # The interval that rounds to grid: halfway to each bf16 neighbour (exact in fp32).
+        # The interval that rounds to grid: halfway to each neighbour on the grid (exact in fp32).
         low = (exact + torch.nextafter(grid, -inf).float()) / 2
         high = (exact + torch.nextafter(grid, inf).float()) / 2
         dithered = low + torch.rand(master.shape, generator=generator, device=master.device) * (high - low)
         # At the very ends a tie may round to the neighbour: that weight keeps its value.
-        safe_set_full_fp32_param(param, torch.where(dithered.bfloat16() == grid, dithered, exact))
+        safe_set_full_fp32_param(param, torch.where(dithered.to(dtype) == grid, dithered, exact))
 
 
 def zero_extras(cfg: Config, dist: Dist) -> dict:
@@ -259,6 +271,20 @@ def zero_extras(cfg: Config, dist: Dist) -> dict:
         # torch's AdamW steps the offloaded fp32 state (torch_adam below): DeepSpeedCPUAdam would be JIT-compiled.
         extras["offload_optimizer"] = {"device": "cpu", "pin_memory": dist.device.type == "cuda"}
     return extras
+
+
+def loss_scale_metrics(engine) -> dict[str, float]:
+    """fp16: the dynamic loss scale after the step, optim/loss_scale (bf16 and fp32 scale nothing: none)."""
+    return {"optim/loss_scale": float(engine.optimizer.loss_scale)} if engine.fp16_enabled() else {}
+
+
+def step_failed(cfg: Config, metrics: dict[str, float]) -> bool:
+    """Whether a training step's skipped optimiser steps (train/skipped_steps) count toward
+    train.max_skipped_in_a_row. In fp16 a step skipped with a finite loss is the loss scaler's search for its scale
+    (an overflow of the scaled gradients: the scale is halved), not a failure; DeepSpeed itself stops a run whose
+    gradients overflow at min_loss_scale. A non-finite loss counts in every dtype."""
+    return bool(metrics["train/skipped_steps"]) and (cfg.model.dtype != "fp16"
+                                                     or not math.isfinite(metrics.get("loss/total", 0.0)))
 
 
 def start_micro_batch(engine, last: bool) -> None:
@@ -283,6 +309,13 @@ def deepspeed_config(cfg: Config, dist: Dist) -> dict:
         # A non-finite gradient norm skips the step and clears the gradients (DeepSpeed does so in fp32 always,
         # in bf16 only when asked): train_on_batch counts the skips.
         "bf16": {"enabled": cfg.model.dtype == "bf16", "check_grad_overflow": True},
+        # fp16: the loss is scaled before the backward so that small gradients do not flush to zero (fp16's
+        # smallest normal is 6.1e-5), and unscaled before clipping and the step. Dynamic scaling (loss_scale 0):
+        # from 2^16, a step whose scaled gradients overflow is skipped, the scale halved after `hysteresis` such
+        # steps and doubled after `loss_scale_window` clean ones; DeepSpeed stops the run at min_loss_scale
+        # (DeepSpeed's defaults, as Oat runs the FP16 paper's fp16). The scale is in the optimiser's checkpoint.
+        "fp16": {"enabled": cfg.model.dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
         # Micro-batch gradients are summed in fp32: a step has ~60 micro-batches at paper scale, and a bf16 sum
         # (DeepSpeed's default, the model's dtype) loses 2^-9 relative per addition.
         "data_types": {"grad_accum_dtype": "fp32"},

@@ -11,7 +11,12 @@ not a paper-scale micro-batch) is it kept, and the backward skips the head's mat
 (old and reference log-probs) the same code is just a loop over chunks.
 
 Numerics match `log_softmax(model(ids).logits.float() / T)`: the head runs in the model's dtype (bf16 on
-GPU), the softmax in fp32. A vision-language model's placeholder tokens get the server's logit bias first
+GPU), the softmax in fp32. With `head_dtype=torch.float32` (model.head_dtype: fp32) the head runs in fp32 instead,
+`hidden.float() @ weight.float().T`: its operands are cast, not the parameter, so a head tied to the embeddings
+(SmolLM2, Qwen2.5-1.5B) gets the fp32 head's gradient in its own dtype, as the embedding's is. TRL's
+cast_lm_head_to_fp32 casts the parameter and so refuses tied heads.
+
+A vision-language model's placeholder tokens get the server's logit bias first
 (`apmpo.data.vision.NEVER_SAMPLE_BIAS`, before the temperature, as vLLM applies it): the engine's log-probs
 are those of the biased distribution, and the learner's must be too, or every ratio pi/pi_old is off by the
 placeholders' probability mass.
@@ -55,6 +60,7 @@ def token_logprobs(
     chunk_tokens: int = 1024,
     with_entropy: bool = False,
     share_prompts: bool | None = None,
+    head_dtype: torch.dtype | None = None,
     **model_inputs,
 ) -> tuple[Tensor, Tensor | None]:
     """Log pi(input_ids[n, t] | input_ids[n, :t]) / entropy at the positions `logits_mask` selects.
@@ -65,6 +71,7 @@ def token_logprobs(
     share_prompts: rows that share a prompt run it once, their completions packed (values and gradients equal);
     None: wherever the model allows it (`shares_prompts`) and there are no model_inputs. A training step decides
     it once, for its plan and its forwards alike (apmpo/learner/step.py).
+    head_dtype: the dtype the LM head's matmul runs in (torch.float32: model.head_dtype fp32); None: the model's.
     Returns logp [N, L] fp32 (0 where not scored; differentiable when grad is enabled) and, with
     `with_entropy`, the entropy [N, L] fp32 of the temperature-scaled next-token distribution at the same
     positions (0 elsewhere; detached), else None.
@@ -93,10 +100,10 @@ def token_logprobs(
         if not hasattr(model, "apmpo_logprob_head"):
             raise ValueError("under ZeRO-3 the model needs attach_logprob_head(model) before deepspeed.initialize")
         logps, entropies = model.apmpo_logprob_head(states, targets, head.weight, temperature, chunk_tokens,
-                                                    with_entropy, bias)
+                                                    with_entropy, bias, head_dtype)
     else:
         logps, entropies = chunked_head_logprobs(states, targets, head.weight, temperature, chunk_tokens,
-                                                 with_entropy, bias)
+                                                 with_entropy, bias, head_dtype)
     zeros = torch.zeros(logits_mask.shape, dtype=torch.float32, device=states.device)
     logp = zeros.masked_scatter(logits_mask, logps)
     return logp, zeros.masked_scatter(logits_mask, entropies) if with_entropy else None
@@ -120,9 +127,16 @@ def attention_kernel(model: nn.Module, input_ids: Tensor):
 
 
 def chunked_head_logprobs(states: Tensor, targets: Tensor, weight: Tensor, temperature: float, chunk_tokens: int,
-                          with_entropy: bool, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+                          with_entropy: bool, bias: Tensor | None, head_dtype: torch.dtype | None = None
+                          ) -> tuple[Tensor, Tensor]:
     """log pi(targets | states) [M] through the head's `weight`, `chunk_tokens` at a time, and the entropies [M]
-    (empty without `with_entropy`)."""
+    (empty without `with_entropy`). `head_dtype`: the head's matmuls (forward and backward) run in it; None: in
+    the weight's."""
+    if head_dtype is not None:
+        # Cast once for all chunks (differentiable: the gradients come back in the weight's and states' dtypes,
+        # the chunks' weight gradients summed in head_dtype first). One head_dtype copy of the weight lives through
+        # the backward: 0.9 GB for Qwen2.5's 151,936 x 1536 in fp32.
+        states, weight = states.to(head_dtype), weight.to(head_dtype)
     # Where every chunk's log-softmax fits KEEP_LOGPROBS_BYTES together, the backward reuses them rather than run
     # the head again: one [tokens, vocab] matmul less (about 6% of SmolLM2's update on CPU, 0.9 s; paper-scale
     # micro-batches, 10 GB of them, recompute).
@@ -146,8 +160,9 @@ class LogprobHead(nn.Module):
     number of chunks, where calling the head module chunk by chunk would not."""
 
     def forward(self, states: Tensor, targets: Tensor, weight: Tensor, temperature: float, chunk_tokens: int,
-                with_entropy: bool, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-        return chunked_head_logprobs(states, targets, weight, temperature, chunk_tokens, with_entropy, bias)
+                with_entropy: bool, bias: Tensor | None, head_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+        return chunked_head_logprobs(states, targets, weight, temperature, chunk_tokens, with_entropy, bias,
+                                     head_dtype)
 
 
 def attach_logprob_head(model: nn.Module) -> None:

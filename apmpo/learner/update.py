@@ -12,6 +12,7 @@ from torch import Tensor
 
 from apmpo.config import Config, CorrectionConfig
 from apmpo.learner.batching import MicroBatch
+from apmpo.learner.engine import head_dtype
 from apmpo.learner.logprobs import token_logprobs
 
 # Each micro-batch holds a part of its optimiser step's loss: these add up, the other metrics are token means.
@@ -22,7 +23,7 @@ def logprobs(model, mb: MicroBatch, cfg: Config, device, packed: bool, with_entr
     """`packed`: the step's decision (train_on_batch), which its plan of micro-batches was made for."""
     return token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device),
                           temperature=cfg.rollout.temperature, chunk_tokens=cfg.train.logprob_chunk_tokens,
-                          with_entropy=with_entropy, share_prompts=packed,
+                          with_entropy=with_entropy, share_prompts=packed, head_dtype=head_dtype(cfg),
                           **{k: v.to(device) for k, v in mb.extras.items()})
 
 

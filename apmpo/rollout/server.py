@@ -592,6 +592,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token", default=os.environ.get("APMPO_SERVER_TOKEN"),
                         help="bearer token (default $APMPO_SERVER_TOKEN); required unless the host is loopback")
     parser.add_argument("--dtype", default="auto", help="auto: the checkpoint's dtype on GPU, float32 on CPU")
+    parser.add_argument("--head-dtype", default=None, choices=["float32"],
+                        help="the LM head's dtype, and so the logits sampled from (default: --dtype's)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="GPU only; on CPU the KV cache takes $VLLM_CPU_KVCACHE_SPACE GiB (1 unless set)")
@@ -679,7 +681,7 @@ def main(argv: list[str] | None = None) -> None:
     # x 64 tokens); on this one thread, 99% busy and 280 tokens/s.
     engine_thread = OneThread("engine")
     llm = engine_thread.run(compat.build_engine, compat.EngineArgs(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, head_dtype=args.head_dtype, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed, enforce_eager=args.enforce_eager,
         max_images_per_prompt=args.max_images_per_prompt,

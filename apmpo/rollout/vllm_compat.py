@@ -238,6 +238,9 @@ if not torch.cuda.is_available():
 class EngineArgs:
     model: str
     dtype: str = "auto"
+    # The LM head's dtype (logits, and the sampling from them); None: dtype's. vLLM's hf-overrides head_dtype, which
+    # it honours for generation models with an unquantized head, tied (Llama, Qwen2) or not.
+    head_dtype: str | None = None
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
@@ -299,6 +302,7 @@ def build_engine(args: EngineArgs) -> vllm.LLM:
             **({} if torch.cuda.is_available() else {"enable_chunked_prefill": False, "block_size": CPU_BLOCK_SIZE}),
             **({"limit_mm_per_prompt": {"image": args.max_images_per_prompt, "video": 0}} if vision else {}),
             **(_lora_args(args) if args.max_lora_rank is not None else {}),
+            **({"hf_overrides": {"head_dtype": args.head_dtype}} if args.head_dtype is not None else {}),
         )
 
 
