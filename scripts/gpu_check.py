@@ -183,6 +183,7 @@ def _proc_status_bytes(key: str) -> int:
     return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) * 1024
 
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: benchmarks/
 GiB = 2**30
 _PEAK_FLOPS: dict[Shapes, float] = {}
 
