@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from apmpo.data import arith
+from apmpo.data import arith, twostep
 from apmpo.data.answers import CHOICE_LETTERS, gold_to_text, last_boxed
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,13 @@ class Builtin:
     system_prompt: str | None = None  # the dataset's own, in place of its task's (a caller's system_prompt= wins)
 
 
+def _generated(task: arith.WordProblems) -> dict[str, Builtin]:
+    """NAME_train and NAME_test of a task of word problems."""
+    return {f"{task.name}_{split}": Builtin(None, "math", size, rows=functools.partial(task.make_rows, split),
+                                            system_prompt=task.system_prompt)
+            for split, size in (("train", task.train_size), ("test", task.test_size))}
+
+
 BUILTIN: dict[str, Builtin] = {
     "math500": Builtin("math/math500_test.jsonl", "math", 500),
     "aime24": Builtin("math/aime24_test.jsonl", "math", 30),
@@ -80,11 +87,9 @@ BUILTIN: dict[str, Builtin] = {
     # BIRD mini-dev questions only: its databases are not shipped, pass db_root.
     "bird": Builtin("bird/mini_dev_sqlite.json", "bird", 500),
     "geometry3k": Builtin("geometry3k/test_freeform.jsonl", "geometry3k", 601),
-    # Arithmetic word problems (apmpo/data/arith.py), a task SmolLM2-135M-Instruct can learn on CPU; disjoint splits.
-    "arith_train": Builtin(None, "math", arith.TRAIN_SIZE, rows=functools.partial(arith.make_rows, "train"),
-                           system_prompt=arith.SYSTEM_PROMPT),
-    "arith_test": Builtin(None, "math", arith.TEST_SIZE, rows=functools.partial(arith.make_rows, "test"),
-                          system_prompt=arith.SYSTEM_PROMPT),
+    # Word problems generated in code (apmpo/data/arith.py: one step; twostep.py: two), tasks SmolLM2-135M-Instruct
+    # can learn on CPU; disjoint splits.
+    **_generated(arith.ARITH), **_generated(twostep.TWOSTEP),
 }
 
 

@@ -11,10 +11,8 @@ A problem is a short story with one operation on small integers (+, -, x) and an
 It is asked with its own system prompt (SYSTEM_PROMPT: brief, one worked example, the \\boxed{} answer) and scored
 by `data.reward: math`, which also reads "The answer is 7".
 
-The two splits are disjoint by construction: every problem (a template and its numbers, not its names or objects)
-is enumerated once and hashed, and one hash value in HELD_OUT_EVERY belongs to the held-out side. The held-out
-split is TEST_SIZE distinct problems of that side; training draws from the other side, names and objects varied
-(rows from a seeded random.Random, the same on every machine and Python version).
+The machinery is shared with apmpo/data/twostep.py (two operations a story): a task is a WordProblems, templates
+and sizes, and its two splits are disjoint by construction (WordProblems says how).
 
 Difficulty, measured with SmolLM2-135M-Instruct (apmpo.models) through the server (64 to 256 samples a setting: the
 figures move by about 0.04 between samples of that size):
@@ -36,21 +34,78 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-TRAIN_SIZE = 8192
-TEST_SIZE = 96
-HELD_OUT_EVERY = 4  # one problem in 4 is held out
-SEEDS = {"train": 0, "test": 1}
+# --- the machinery: templates, a task, its splits ---------------------------------------------------------------
+
+SEEDS = {"train": 0, "test": 1}  # of the random.Random that draws each split's rows
+
+NAMES = ["Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sofia", "Omar", "Chen", "Priya", "Tom", "Zoe"]
+# (plural, container) pairs: "3 bags with 6 marbles in each"
+ITEMS = [("marbles", "bags"), ("apples", "baskets"), ("stickers", "sheets"), ("pencils", "boxes"),
+         ("cookies", "trays"), ("stamps", "albums"), ("eggs", "cartons"), ("books", "shelves")]
+
+
+@dataclass(frozen=True)
+class Template:
+    """A story with slots {name} {items} {box} and the number slots of every dict `numbers` lists; `answer`
+    solves it."""
+    text: str
+    numbers: Callable[[], list[dict[str, int]]]
+    answer: Callable[[dict[str, int]], int]
+
+
+@dataclass(frozen=True)
+class WordProblems:
+    """A task of word problems from `templates`, the built-in datasets NAME_train and NAME_test.
+
+    The splits are disjoint by construction: every problem (a template and its numbers, not its names or objects)
+    is enumerated once and hashed, and one hash value in `held_out_every` belongs to the held-out side. The held-out
+    split is `test_size` distinct problems of that side; training draws `train_size` from the other side, names and
+    objects varied (rows from a seeded random.Random, the same on every machine and Python version)."""
+    name: str
+    templates: tuple[Template, ...]
+    system_prompt: str
+    train_size: int
+    test_size: int
+    held_out_every: int = 4  # one problem in 4 is held out
+
+    def is_held_out(self, template: int, numbers: dict[str, int]) -> bool:
+        """The split of a problem, by its template's index and its numbers only."""
+        key = f"{template}:" + ",".join(f"{k}={v}" for k, v in sorted(numbers.items()))
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % self.held_out_every == 0
+
+    def problems(self, held_out: bool) -> list[tuple[int, dict[str, int]]]:
+        """Every (template index, numbers) of one side of the split, in a fixed order."""
+        return [(index, numbers) for index, template in enumerate(self.templates) for numbers in template.numbers()
+                if self.is_held_out(index, numbers) == held_out]
+
+    def make_rows(self, split: str, size: int | None = None) -> list[dict]:
+        """`size` rows {question, answer, template, numbers} of `split` ("train" or "test"), the same on every
+        call. Held-out problems are distinct, so each counts once in pass@k; training draws its problems with
+        replacement."""
+        held_out = split == "test"
+        size = size if size is not None else (self.test_size if held_out else self.train_size)
+        rng = random.Random(SEEDS[split])
+        side = self.problems(held_out)
+        if held_out and size > len(side):
+            raise ValueError(f"{self.name}_test has {len(side)} distinct problems, not {size}")
+        chosen = rng.sample(side, size) if held_out else [rng.choice(side) for _ in range(size)]
+        rows = []
+        for index, numbers in chosen:
+            name, (items, box) = rng.choice(NAMES), rng.choice(ITEMS)
+            template = self.templates[index]
+            question = template.text.format(name=name, items=items, box=box, **numbers)
+            rows.append({"question": question, "answer": str(template.answer(numbers)), "template": index,
+                         "numbers": numbers})
+        return rows
+
+
+# --- arith: one operation a story --------------------------------------------------------------------------------
 
 # Asked as the system turn of every problem: short answers and a final answer the math reward finds. A worked
 # example helps this model more than an instruction alone (above).
 SYSTEM_PROMPT = ("Solve the problem briefly. Example:\n"
                  "Question: Ann has 4 pens and gets 3 more. How many pens does Ann have now?\n"
                  "Answer: 4 + 3 = 7. The final answer is \\boxed{7}.")
-
-NAMES = ["Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sofia", "Omar", "Chen", "Priya", "Tom", "Zoe"]
-# (plural, container) pairs: "3 bags with 6 marbles in each"
-ITEMS = [("marbles", "bags"), ("apples", "baskets"), ("stickers", "sheets"), ("pencils", "boxes"),
-         ("cookies", "trays"), ("stamps", "albums"), ("eggs", "cartons"), ("books", "shelves")]
 
 
 def _sums():
@@ -65,15 +120,6 @@ def _products():
     return [{"a": a, "b": b} for a, b in itertools.product(range(2, 6), repeat=2)]
 
 
-@dataclass(frozen=True)
-class Template:
-    """A story with slots {name} {items} {box} and the number slots of every dict `numbers` lists; `answer`
-    solves it."""
-    text: str
-    numbers: Callable[[], list[dict[str, int]]]
-    answer: Callable[[dict[str, int]], int]
-
-
 def _plus(n):
     return n["a"] + n["b"]
 
@@ -82,7 +128,7 @@ def _minus(n):
     return n["a"] - n["b"]
 
 
-TEMPLATES = [
+TEMPLATES = (
     Template("{name} has {a} {items} and buys {b} more. How many {items} does {name} have now?", _sums, _plus),
     Template("{name} had {a} {items} and found {b} more. How many {items} does {name} have now?", _sums, _plus),
     Template("There are {a} {items} on the table. {name} puts {b} more there. How many {items} are on the table now?",
@@ -95,35 +141,9 @@ TEMPLATES = [
              _differences, _minus),
     Template("{name} has {a} {box} with {b} {items} in each. How many {items} does {name} have in all?",
              _products, lambda n: n["a"] * n["b"]),
-]
+)
 
 
-def is_held_out(template: int, numbers: dict[str, int]) -> bool:
-    """The split of a problem, by its template and numbers only."""
-    key = f"{template}:" + ",".join(f"{k}={v}" for k, v in sorted(numbers.items()))
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % HELD_OUT_EVERY == 0
-
-
-def problems(held_out: bool) -> list[tuple[int, dict[str, int]]]:
-    """Every (template index, numbers) of one side of the split, in a fixed order."""
-    return [(index, numbers) for index, template in enumerate(TEMPLATES) for numbers in template.numbers()
-            if is_held_out(index, numbers) == held_out]
-
-
-def make_rows(split: str, size: int | None = None) -> list[dict]:
-    """`size` rows {question, answer, template, numbers} of `split` ("train" or "test"), the same on every call.
-    Held-out problems are distinct, so each counts once in pass@k; training draws its problems with replacement."""
-    held_out = split == "test"
-    size = size if size is not None else (TEST_SIZE if held_out else TRAIN_SIZE)
-    rng = random.Random(SEEDS[split])
-    side = problems(held_out)
-    if held_out and size > len(side):
-        raise ValueError(f"arith_test has {len(side)} distinct problems, not {size}")
-    chosen = rng.sample(side, size) if held_out else [rng.choice(side) for _ in range(size)]
-    rows = []
-    for index, numbers in chosen:
-        name, (items, box) = rng.choice(NAMES), rng.choice(ITEMS)
-        question = TEMPLATES[index].text.format(name=name, items=items, box=box, **numbers)
-        rows.append({"question": question, "answer": str(TEMPLATES[index].answer(numbers)), "template": index,
-                     "numbers": numbers})
-    return rows
+# 8192 training problems (drawn from 3 x 64 sums, 3 x 65 differences and 16 products, less the held-out quarter),
+# 96 held out.
+ARITH = WordProblems("arith", TEMPLATES, SYSTEM_PROMPT, train_size=8192, test_size=96)
