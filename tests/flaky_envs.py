@@ -122,6 +122,10 @@ class Hostile(RevealEnv):
                 pass
         elif do == "exit":
             os._exit(1)
+        elif do == "exit later":  # from a thread, once the step has answered: no call is running then
+            threading.Timer(0.2, os._exit, (3,)).start()
+        elif do == "slow":  # slow, not stuck: it answers within the call's time
+            time.sleep(0.5)
         elif do == "block":  # blocks on a pipe it opened, as the third probe's environment did
             read_end, _ = os.pipe()
             os.read(read_end, 1)
