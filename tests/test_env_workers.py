@@ -77,11 +77,7 @@ def test_only_the_episodes_that_hold_the_interpreter_spin_or_exit_fail(pool):
     worker (their reset and first step replayed) and go on. Before, every episode of a guilty worker failed with it:
     all of them here."""
     bad = {0: "hold", 2: "spin", 4: "hold", 6: "spin", 9: "exit"}
-    reset(pool, [sample(bad.get(k), answer=f"{k}23") for k in range(12)])
-    tick = time.monotonic()
-    results = pool.call_all([(k, "step", "1") for k in range(12)], TIMEOUT_S)
-    # the hangs timed out side by side (2.2 s on the loaded 2-core machine): one after the other, 4 s at least
-    assert time.monotonic() - tick < 4 * TIMEOUT_S
+    results = play(pool, [sample(bad.get(k), answer=f"{k}23") for k in range(12)])
     for k, result in enumerate(results):
         if bad.get(k) in ("hold", "spin"):
             assert result == ("timeouts", "step ran past 1 s"), k
@@ -93,10 +89,13 @@ def test_only_the_episodes_that_hold_the_interpreter_spin_or_exit_fail(pool):
     assert second_steps(pool, innocent) == [("ok", (None, float("8" in f"{k}23"), True)) for k in innocent]
 
 
-def test_a_blocked_step_costs_only_its_episode(pool):
-    """A step blocked on a pipe it opened (the interpreter lock free): the calls queued behind it move on."""
-    results = play(pool, [sample("block"), sample(), sample(), sample()])
-    assert results == [("timeouts", "step ran past 1 s")] + [revealed()] * 3
+def test_blocked_steps_cost_only_their_episodes_and_time_out_side_by_side(pool):
+    """Steps blocked on a pipe they opened, four in one worker: the calls queued behind each move on, and the four
+    time out side by side: 1.8-2.2 s on the loaded 2-core machine, one after the other 4 s at least. (Not asserted:
+    there, a worker started for moved calls now and then took 2 s to start, and the steps 3.6-5.3 s.)"""
+    blocked = {0, 2, 4, 6}
+    results = play(pool, [sample("block" if k in blocked else None) for k in range(10)])
+    assert results == [("timeouts", "step ran past 1 s") if k in blocked else revealed() for k in range(10)]
 
 
 def test_a_slow_call_delays_no_other_and_fails_none(pool):
@@ -126,7 +125,7 @@ def test_a_worker_that_dies_between_calls_ends_the_episodes_it_held(pool):
     """No call was running: which episode killed it cannot be known, so none is rebuilt elsewhere (a thread that
     exits would exit there too), and each of its episodes fails at its next call, named so."""
     assert play(pool, [sample("exit later"), sample(), sample()]) == [revealed()] * 3
-    time.sleep(1.0)
+    pool._hosts[0].process.join(10.0)  # its thread exits 0.2 s after the step
     lost = ("crashes", "environment worker exited with code 3 between calls")
     assert second_steps(pool, [0, 1, 2]) == [lost, ("ok", (None, 0.0, True)), lost]
 
@@ -221,21 +220,23 @@ def test_a_clean_worker_is_kept_for_the_next_batch(pool):
 
 def test_the_calculators_final_answer_that_hung_the_learner_is_bounded():
     """\\boxed{9^{9^{9^{9}}}} kept sympy inside the interpreter lock: the learner was still stuck at 201 s. The
-    episode that shares its worker scores as usual."""
+    episode that shares its worker gets its tool's result as usual (a call, not a final answer: the new worker it
+    moves to would import sympy to score one, seconds on a loaded machine)."""
     pool = EnvWorkers(CalculatorEnv, 1, MAX_CHARS)
     pool.begin(2)
     question = {"answer": "123", "question": "What is 120 + 3?"}
     assert [s for s, _ in pool.call_all([(0, "reset", question), (1, "reset", question)], 30.0)] == ["ok", "ok"]
     tick = time.monotonic()
-    results = pool.call_all([(0, "step", "\\boxed{9^{9^{9^{9}}}}"), (1, "step", "\\boxed{123}")], 2.0)
-    assert results == [("timeouts", "step ran past 2 s"), ("ok", (None, 1.0, True))]
+    results = pool.call_all([(0, "step", "\\boxed{9^{9^{9^{9}}}}"), (1, "step", "<calc>120 + 3</calc>")], 2.0)
+    assert results == [("timeouts", "step ran past 2 s"), ("ok", ({"role": "user", "content": "<result>123</result>"},
+                                                                  None, False))]
     assert time.monotonic() - tick < 10
     pool.close()
 
 
-def test_episodes_of_a_run_where_a_third_misbehave_fail_alone(hostile):
+def test_episodes_of_a_run_where_a_third_misbehave_fail_alone(hostile, caplog):
     """The probe, through EpisodeRunner: a third of 12 episodes hang or exit; the run goes on, with only those
-    counted as failures and every other episode played as if alone."""
+    counted as failures (the first logged, naming the environment) and every other episode played as if alone."""
     from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner
     from apmpo.quickstart import build_tokenizer
     from apmpo.rollout.sampling import Sampling
@@ -257,5 +258,6 @@ def test_episodes_of_a_run_where_a_third_misbehave_fail_alone(hostile):
                                    lambda e, t: 0, sampling)
     runner.close()
     assert (summary.timeouts, summary.crashes, summary.errors) == (2, 2, 0)
+    assert "environment flaky_envs:Hostile failed (" in caplog.text
     assert [e.finish_reason for e in episodes] == ["error" if k in bad else "stop" for k in range(12)]
     assert [e.reward for e in episodes] == [0.0 if k in bad else float(k % 2) for k in range(12)]

@@ -131,7 +131,8 @@ class EpisodeRunner:
             summary["first_error"] = summary["first_error"] or message
             if not self._logged_failure:
                 self._logged_failure = True
-                logger.warning("environment failed (%s; later failures are only counted): %s", kind, message)
+                logger.warning("environment %s failed (%s; later failures are only counted): %s", self.workers.name,
+                               kind, message)
 
         # ------------------------------------------------------------ reset
         tick = time.perf_counter()
@@ -213,4 +214,3 @@ class EpisodeRunner:
                 episode.completion_ids += env_ids
                 episode.sampled += [False] * len(env_ids)
                 episode.logprobs += [0.0] * len(env_ids)
-

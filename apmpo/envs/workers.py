@@ -277,7 +277,7 @@ class EnvWorker:
             kill_tree(self.process.pid)
         try:  # if it died by itself, its descendants left its tree; those of its process group are still found
             os.killpg(self.process.pid, signal.SIGKILL)
-        except OSError:  # none (or it died before setsid, in the forkserver's group: not its to kill)
+        except OSError:  # none left
             pass
         self.process.join()
         self.conn.close()
@@ -392,6 +392,8 @@ class EnvWorkers:
             self._drop(worker, call.episode)
             self._hosts[call.episode] = None
             self._enqueue(_Call(call.episode, call.op, call.arg, call.slot), avoid=worker)
+        if len(self._workers) < self.num_workers + MAX_STALLED and all(w.load() for w in self._workers):
+            self._start()  # a spare, starting while the moved calls run: a next stall moves them at once
 
     def _drop(self, worker: EnvWorker, episode: int) -> None:
         """`episode` leaves `worker`: its calls there are dropped (those sent: their answers)."""
