@@ -82,7 +82,8 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     rollout carries its prompt with expanded image pads and its images' model inputs (Rollout.mm). With `episodes`,
     each of the G samples of a prompt is a multi-turn episode of its environment (apmpo.envs), which also gives its
     reward (`score` is not used): failed environment calls count as failed rewards. Each environment call is bounded
-    by the runner's timeout (at most max_turns + 1 calls per episode, an episode's calls in turn, all at once)."""
+    by the runner's timeout (max_turns + 1 calls per episode, an episode's calls in turn, all at once; and, for an
+    episode rebuilt on another worker after a neighbour's failure, its calls so far, replayed, each bounded alike)."""
     if episodes is not None and vision is not None:
         raise ValueError("multi-turn episodes (data.env) do not take images yet")
     B, G = cfg.prompts_per_step, cfg.group_size
