@@ -233,13 +233,15 @@ class LoadAdapterRequest(_Strict):
         if adapter_root is None:
             raise HTTPException(403, "this server was started without --adapter-root: /lora/load reads no folder "
                                      "(the learner's adapter pushes need none)")
-        root = os.path.realpath(adapter_root)
-        if os.path.commonpath([root, os.path.realpath(self.path)]) != root:  # symlinks and .. resolved first
+        # Symlinks and .. resolved once: the folder checked is the one loaded, whatever a link leads to later
+        # (the load may wait behind a generation).
+        root, folder = os.path.realpath(adapter_root), os.path.realpath(self.path)
+        if os.path.commonpath([root, folder]) != root:
             raise HTTPException(403, f"{self.path} is not under this server's --adapter-root {adapter_root}")
-        if not os.path.isfile(os.path.join(self.path, "adapter_config.json")):
+        if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
             raise HTTPException(400, f"{self.path} holds no adapter_config.json: not a PEFT adapter folder on this "
                                      "machine (the server reads the path itself)")
-        return self.path
+        return folder
 
 
 class WeightVersionResponse(BaseModel):
