@@ -216,8 +216,9 @@ class RolloutConfig:
     mask_truncated: bool = False  # DAPO: truncated completions get no loss
     reward_workers: int = ranged(2, "[1, 1024]")
     # Processes that hold a batch's multi-turn environments (data.env; apmpo.envs.workers): a call past
-    # data.env_timeout_s, or one that kills its process, ends only what that process held
+    # data.env_timeout_s, or one that kills its process, ends only its own episode
     env_workers: int = ranged(2, "[1, 1024]")
+    env_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per env worker (RLIMIT_AS); None: apmpo.rewards.batch's
     reward_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per worker (RLIMIT_AS); None: apmpo.rewards.batch's
     reward_timeout_s: float = ranged(10.0, "(0, 86400]")
     # A step's total scoring time: items unscored by then score 0, as timeouts. None: STEP_TIMEOUT_ITEMS item

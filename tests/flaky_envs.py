@@ -60,44 +60,86 @@ class Abstract(RevealEnv, abc.ABC):
         ...
 
 
-# --- hostile environments, for tests/test_env_workers.py (each broke the learner when environments were threads) --
+# --- for tests/test_env_workers.py and test_envs.py ----------------------------------------------------------
 
 
-class HoldsTheLock(RevealEnv):
-    """A step that never gives the interpreter lock back: catastrophic backtracking inside re's C code."""
-    def step(self, action):
-        import re
+class EndsAtOnce:
+    """Ends every episode at its first turn with reward 1, as the calculator scores a turn without a call."""
 
-        re.match(r"(a+)+$", "a" * 64 + "b")
-        return super().step(action)
-
-
-class Exits(RevealEnv):
-    def step(self, action):
-        import os
-
-        os._exit(1)
-
-
-class BlocksAndLeaks(RevealEnv):
-    """Opens a pipe and blocks reading it, as the probe's environment did: 72 threads and pipes after two steps."""
-    def step(self, action):
-        import os
-
-        if _fails(self.sample):
-            read_end, _ = os.pipe()
-            os.read(read_end, 1)
-        return super().step(action)
-
-
-class LeavesAThread(RevealEnv):
     def reset(self, sample):
+        return "start"
+
+    def step(self, action):
+        return "", 1.0, True
+
+
+def _refuse():
+    raise RuntimeError("this object cannot be rebuilt here")
+
+
+class _Unreadable:
+    def __reduce__(self):  # pickles; unpickling raises (in the learner, when answers crossed as they were)
+        return _refuse, ()
+
+
+def _spawn(marker: str) -> None:
+    """A child, a child in a session of its own, and a double-forked daemon: `sleep <marker>` each."""
+    import os
+    import subprocess
+
+    subprocess.Popen(["sleep", marker])
+    subprocess.Popen(["sleep", marker], start_new_session=True)
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execvp("sleep", ["sleep", marker])
+        os._exit(0)
+    os.waitpid(child, 0)
+
+
+class Hostile(RevealEnv):
+    """Plays the reveal task, but does what its sample's "do" says at its first step (its reset for "random"):
+    each of these broke the learner, or a neighbouring episode, when environments were threads or shared a
+    worker's fate. One class for all, so that tests/test_env_workers.py shares one pool of workers."""
+
+    def reset(self, sample):
+        import random
+
+        first = super().reset(sample)
+        return f"{first} {random.random()}" if sample.get("do") == "random" else first
+
+    def step(self, action):
+        import os
+        import re
         import threading
 
-        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
-        return super().reset(sample)
-
-
-class Unpicklable(RevealEnv):
-    def step(self, action):
-        return (lambda: None), 1.0, True
+        do = None if self.revealed else self.sample.get("do")
+        if do == "hold":  # catastrophic backtracking inside re's C code: the interpreter lock is never given back
+            re.match(r"(a+)+$", "a" * 64 + "b")
+        elif do == "spin":
+            while True:
+                pass
+        elif do == "exit":
+            os._exit(1)
+        elif do == "exit later":  # from a thread, once the step has answered: no call is running then
+            threading.Timer(0.2, os._exit, (3,)).start()
+        elif do == "slow":  # slow, not stuck: it answers within the call's time
+            time.sleep(0.5)
+        elif do == "block":  # blocks on a pipe it opened, as the third probe's environment did
+            read_end, _ = os.pipe()
+            os.read(read_end, 1)
+        elif do == "huge":
+            return "x" * 100_000_000, None, False
+        elif do == "unreadable":
+            return {"role": "user", "content": "x", "extra": _Unreadable()}, None, False
+        elif do == "allocate":
+            self.kept = bytearray(1 << 30)
+        elif do == "thread":
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+        elif do == "spawn":
+            _spawn(self.sample["marker"])
+        elif do == "spawn and hang":
+            _spawn(self.sample["marker"])
+            time.sleep(3600)
+        return super().step(action)

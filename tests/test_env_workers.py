@@ -1,114 +1,261 @@
 """Environments in worker processes (apmpo/envs/workers.py): every environment that stopped, hung or leaked into
-the learner when environments were threads of rank 0, now bounded in processes of their own. No server: the calls
-are the ones EpisodeRunner makes, with the hostile environments of tests/flaky_envs.py. One pool of workers is
-made per test (a fork each, milliseconds)."""
+the learner when environments were threads of rank 0, or failed its neighbours when they shared a worker's fate
+(issue 55), now bounded to its own episode. No server: the calls are the ones EpisodeRunner makes, with the
+hostile environment of tests/flaky_envs.py (its sample says what it does). One pool of workers serves the module."""
 from __future__ import annotations
 
-import multiprocessing
+import itertools
+import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from apmpo.envs.calculator import CalculatorEnv
-from apmpo.envs.reveal import RevealEnv
 from apmpo.envs.workers import EnvWorkers
 
-SAMPLE = {"answer": "123", "question": "What is 120 + 3?"}
+TESTS = Path(__file__).parent
+TIMEOUT_S = 1.0
+MAX_CHARS = 1000
+MEMORY_MB = 512
+_markers = itertools.count()
 
 
-@pytest.fixture(autouse=True)
-def flaky_envs_importable(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # workers import flaky_envs by name
+@pytest.fixture(scope="module")
+def hostile():
+    """The class, imported by name as a user's is (the workers import flaky_envs too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(TESTS))
+        import flaky_envs
+
+        yield flaky_envs.Hostile
 
 
-def hostile(name: str) -> type:
-    import flaky_envs
-
-    return getattr(flaky_envs, name)
-
-
-def start(env_cls: type, episodes: int, workers: int = 2, samples: list[dict] | None = None) -> EnvWorkers:
-    samples = samples or [SAMPLE] * episodes
-    pool = EnvWorkers(env_cls, workers)
-    pool.begin(episodes)
-    results = pool.call_all([(k, "reset", s) for k, s in enumerate(samples)], 30.0)
-    assert [status for status, _ in results] == ["ok"] * episodes, results
-    return pool
+@pytest.fixture(scope="module")
+def shared(hostile):
+    pool = EnvWorkers(hostile, 2, MAX_CHARS, MEMORY_MB)
+    yield pool
+    pool.close()
 
 
-def test_a_step_that_holds_the_interpreter_lock_times_out_and_its_worker_goes():
-    """4 episodes in 2 workers; episode 0's step never gives the lock back. The call is bounded; the episode that
-    shares its worker (2) is stalled with it; the other worker's (1, 3) answer."""
-    pool = start(hostile("HoldsTheLock"), 4)
-    worker = pool._hosts[0]
+@pytest.fixture
+def pool(shared):
+    yield shared
+    shared.end()  # a failed test leaves no batch behind for the next
+
+
+def sample(do: str | None = None, answer: str = "123", **extra) -> dict:
+    return {"answer": answer, **({"do": do} if do else {}), **extra}
+
+
+def reset(pool: EnvWorkers, samples: list[dict]) -> None:
+    """A batch's first calls."""
+    pool.begin(len(samples))
+    assert pool.call_all([(k, "reset", s) for k, s in enumerate(samples)], 30.0) == \
+        [("ok", [{"role": "user", "content": "start"}])] * len(samples)
+
+
+def play(pool: EnvWorkers, samples: list[dict]) -> list[tuple[str, object]]:
+    """A batch: every reset, then every episode's first step; returns the steps' results."""
+    reset(pool, samples)
+    return pool.call_all([(k, "step", "1") for k in range(len(samples))], TIMEOUT_S)
+
+
+def revealed(answer: str = "123") -> tuple[str, object]:
+    return "ok", ({"role": "user", "content": answer}, None, False)
+
+
+def second_steps(pool: EnvWorkers, episodes: list[int]) -> list[tuple[str, object]]:
+    """Each episode's second step, where its environment scores the first digit of its action."""
+    return pool.call_all([(k, "step", "8") for k in episodes], TIMEOUT_S)
+
+
+def test_only_the_episodes_that_hold_the_interpreter_spin_or_exit_fail(pool):
+    """5 of 12 episodes hold the interpreter lock in C (re), spin in Python or call os._exit, four of them in one
+    worker: each fails alone, its worker is killed at once, and the episodes that shared it are rebuilt on another
+    worker (their reset and first step replayed) and go on. Before, every episode of a guilty worker failed with it:
+    all of them here."""
+    bad = {0: "hold", 2: "spin", 4: "hold", 6: "spin", 9: "exit"}
+    reset(pool, [sample(bad.get(k), answer=f"{k}23") for k in range(12)])
     tick = time.monotonic()
-    results = pool.call_all([(0, "step", "1"), (1, "step", "1"), (3, "step", "1")], 2.0)
-    assert time.monotonic() - tick < 10
-    assert results[0] == ("timeouts", "step ran past 2 s")
-    assert results[1][0] == results[2][0] == "timeouts"  # the same code in every episode: all hold the lock
-    pool.end()
-    assert not worker.process.is_alive()  # killed at the batch's end, with its stuck thread
-    pool.close()
+    results = pool.call_all([(k, "step", "1") for k in range(12)], TIMEOUT_S)
+    # the hangs timed out side by side (2.2 s on the loaded 2-core machine): one after the other, 4 s at least
+    assert time.monotonic() - tick < 4 * TIMEOUT_S
+    for k, result in enumerate(results):
+        if bad.get(k) in ("hold", "spin"):
+            assert result == ("timeouts", "step ran past 1 s"), k
+        elif bad.get(k) == "exit":
+            assert result == ("crashes", "environment worker exited with code 1 during step"), k
+        else:
+            assert result == revealed(f"{k}23"), k
+    innocent = [k for k in range(12) if k not in bad]
+    assert second_steps(pool, innocent) == [("ok", (None, float("8" in f"{k}23"), True)) for k in innocent]
 
 
-def test_the_calculators_final_answer_that_hung_the_learner_is_bounded():
-    """\\boxed{9^{9^{9^{9}}}} kept sympy inside the interpreter lock: the learner was still stuck at 201 s."""
-    pool = start(CalculatorEnv, 2)
-    tick = time.monotonic()
-    results = pool.call_all([(0, "step", "\\boxed{9^{9^{9^{9}}}}"), (1, "step", "\\boxed{123}")], 2.0)
-    assert results[0] == ("timeouts", "step ran past 2 s")
-    assert results[1] == ("ok", ("", 1.0, True))  # the other worker's episode scored as usual
-    assert time.monotonic() - tick < 10
-    pool.end()
-    pool.close()
+def test_a_blocked_step_costs_only_its_episode(pool):
+    """A step blocked on a pipe it opened (the interpreter lock free): the calls queued behind it move on."""
+    results = play(pool, [sample("block"), sample(), sample(), sample()])
+    assert results == [("timeouts", "step ran past 1 s")] + [revealed()] * 3
 
 
-def test_an_environment_that_exits_is_a_named_crash_and_the_next_batch_gets_a_new_worker():
-    pool = start(hostile("Exits"), 1, workers=1)
-    dead = pool._hosts[0]
-    assert pool.call_all([(0, "step", "1")], 5.0) == [("crashes", "environment worker exited with code 1 during step")]
-    pool.end()
-    pool.begin(1)
-    assert pool._hosts[0] is not dead
-    assert pool.call_all([(0, "reset", SAMPLE)], 30.0) == [("ok", "start")]
-    pool.close()
+def test_a_slow_call_delays_no_other_and_fails_none(pool):
+    """A step that takes half its time: the calls queued behind it move to another worker (which rebuilds their
+    environments), and its worker, once it answers, runs those it had been sent for nothing: their answers are
+    dropped. Every episode plays on."""
+    results = play(pool, [sample("slow", answer=f"{k}23") if k == 0 else sample(answer=f"{k}23") for k in range(6)])
+    assert results == [revealed(f"{k}23") for k in range(6)]
+    assert second_steps(pool, list(range(6))) == [("ok", (None, 0.0, True))] * 6
 
 
-def test_blocked_steps_cost_only_their_episode_and_leave_nothing_after_the_batch():
-    """The probe's environment: a step that blocks on a pipe it opened. Its call times out alone (the worker's
-    other calls run in threads of their own), and at the batch's end its worker goes, pipe and thread with it."""
-    pool = start(hostile("BlocksAndLeaks"), 2, workers=1, samples=[{"answer": "012"}, SAMPLE])  # "0...": blocks
+def test_an_environment_that_does_not_replay_as_it_played_fails_alone(pool):
+    """Episode 2 shares episode 0's worker, which hangs: its environment, rebuilt on another worker, answers its
+    reset with another first prompt (it draws a random number). It cannot go on where it was: it fails."""
+    pool.begin(4)
+    first = pool.call_all([(k, "reset", sample("random" if k == 2 else "hold" if k == 0 else None))
+                           for k in range(4)], 30.0)
+    assert first[2][1][0]["content"].startswith("start 0.")
+    results = pool.call_all([(k, "step", "1") for k in range(4)], TIMEOUT_S)
+    assert results[0] == ("timeouts", "step ran past 1 s")
+    assert results[2] == ("errors", "its environment does not replay: reset gave another answer than when first "
+                                    "played")
+    assert results[1] == results[3] == revealed()
+
+
+def test_a_worker_that_dies_between_calls_ends_the_episodes_it_held(pool):
+    """No call was running: which episode killed it cannot be known, so none is rebuilt elsewhere (a thread that
+    exits would exit there too), and each of its episodes fails at its next call, named so."""
+    assert play(pool, [sample("exit later"), sample(), sample()]) == [revealed()] * 3
+    time.sleep(1.0)
+    lost = ("crashes", "environment worker exited with code 3 between calls")
+    assert second_steps(pool, [0, 1, 2]) == [lost, ("ok", (None, 0.0, True)), lost]
+
+
+def test_an_observation_too_long_to_fit_never_leaves_its_worker(pool):
+    """100 MB: before, it crossed whole and was rendered and tokenised by the learner (16 GB in 60 s)."""
+    results = play(pool, [sample("huge"), sample()])
+    assert results == [("errors", "ValueError: the observation has 100,000,015 characters, more than the 1,000 "
+                                  "that could fit in the episode's tokens"), revealed()]
+
+
+def test_an_answer_the_learner_could_not_read_is_its_episodes_error(pool):
+    """An object whose unpickling raises crossed as it was and ended the learner in a traceback naming no
+    environment; now only plain data crosses."""
+    status, message = play(pool, [sample("unreadable"), sample()])[0]
+    assert status == "errors" and message.startswith("TypeError: _Unreadable <flaky_envs._Unreadable object")
+    assert message.endswith("is not plain data (str, numbers, lists, dicts)")
+
+
+def test_a_step_past_the_memory_cap_is_its_episodes_error_and_its_neighbours_move(pool):
+    """1 GiB asked for under a 512 MiB cap: a MemoryError in the worker, not the OOM killer."""
+    pool.begin(2)
+    pool.call_all([(k, "reset", sample("allocate" if k == 0 else None)) for k in range(2)], 30.0)
     worker = pool._hosts[0]
-    results = pool.call_all([(0, "step", "1"), (1, "step", "1")], 1.0)
-    assert results == [("timeouts", "step ran past 1 s"), ("ok", ("123", None, False))]
-    pool.end()
+    assert pool.call_all([(0, "step", "1"), (1, "step", "1")], TIMEOUT_S) == [
+        ("errors", "MemoryError: past its worker's 512 MiB of address space (rollout.env_memory_mb)"), revealed()]
     assert not worker.process.is_alive()
-    assert pool._workers == []
-    pool.close()
 
 
-def test_a_worker_left_with_a_thread_after_its_batch_is_replaced():
-    pool = start(hostile("LeavesAThread"), 1, workers=1)
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _gone(marker: str) -> bool:
+    until = time.monotonic() + 5.0
+    while _processes_with(marker) and time.monotonic() < until:  # SIGKILL is not instant
+        time.sleep(0.05)
+    return not _processes_with(marker)
+
+
+def _marker() -> str:
+    return f"3600.{os.getpid()}{next(_markers)}"  # sleep takes seconds with decimals: a name only its processes have
+
+
+def test_no_process_an_environment_starts_outlives_its_batch(pool):
+    """A child, a setsid child and a double-forked daemon, in an episode whose worker stays clean (it is kept for
+    the next batch, without them) and in one whose worker is killed for a hang. Before, the worker was killed by
+    pid alone and a clean one kept its children: 112 sleeps after two steps, and the forkserver kept alive."""
+    kept, killed = _marker(), _marker()
+    results = play(pool, [sample("spawn", marker=kept), sample("spawn and hang", marker=killed)])
+    assert results[0] == revealed() and results[1] == ("timeouts", "step ran past 1 s")
+    assert len(_processes_with(kept)) == 3
+    assert _gone(killed)
+    workers = list(pool._workers)
+    pool.end()
+    assert _gone(kept)
+    assert pool._workers == workers  # still clean: its environments' processes went, not it
+
+
+def test_nothing_outlives_close(hostile):
+    alone = EnvWorkers(hostile, 1, MAX_CHARS)
+    marker = _marker()
+    assert play(alone, [sample("spawn", marker=marker)]) == [revealed()]
+    [worker] = alone._workers
+    alone.close()
+    assert _gone(marker)
+    assert not worker.process.is_alive()
+
+
+def test_a_worker_left_with_a_thread_after_its_batch_is_replaced(pool):
+    play(pool, [sample("thread")])
     worker = pool._hosts[0]
     pool.end()
-    assert not worker.process.is_alive()
-    pool.close()
+    assert not worker.process.is_alive() and worker not in pool._workers
 
 
-def test_a_clean_worker_is_kept_for_the_next_batch_and_nothing_outlives_close():
-    pool = start(RevealEnv, 3, workers=2)
-    assert pool.call_all([(k, "step", "1") for k in range(3)], 5.0) == [("ok", ("123", None, False))] * 3
+def test_a_clean_worker_is_kept_for_the_next_batch(pool):
+    assert play(pool, [sample()] * 3) == [revealed()] * 3
     first = list(pool._workers)
     pool.end()
     pool.begin(3)
     assert pool._workers == first  # its environments dropped, its imports kept
-    pool.close()
-    assert multiprocessing.active_children() == []
 
 
-def test_an_unpicklable_answer_is_its_episodes_error():
-    pool = start(hostile("Unpicklable"), 1, workers=1)
-    status, message = pool.call_all([(0, "step", "1")], 5.0)[0]
-    assert status == "errors" and "cannot leave its process" in message
+def test_the_calculators_final_answer_that_hung_the_learner_is_bounded():
+    """\\boxed{9^{9^{9^{9}}}} kept sympy inside the interpreter lock: the learner was still stuck at 201 s. The
+    episode that shares its worker scores as usual."""
+    pool = EnvWorkers(CalculatorEnv, 1, MAX_CHARS)
+    pool.begin(2)
+    question = {"answer": "123", "question": "What is 120 + 3?"}
+    assert [s for s, _ in pool.call_all([(0, "reset", question), (1, "reset", question)], 30.0)] == ["ok", "ok"]
+    tick = time.monotonic()
+    results = pool.call_all([(0, "step", "\\boxed{9^{9^{9^{9}}}}"), (1, "step", "\\boxed{123}")], 2.0)
+    assert results == [("timeouts", "step ran past 2 s"), ("ok", (None, 1.0, True))]
+    assert time.monotonic() - tick < 10
     pool.close()
+
+
+def test_episodes_of_a_run_where_a_third_misbehave_fail_alone(hostile):
+    """The probe, through EpisodeRunner: a third of 12 episodes hang or exit; the run goes on, with only those
+    counted as failures and every other episode played as if alone."""
+    from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner
+    from apmpo.quickstart import build_tokenizer
+    from apmpo.rollout.sampling import Sampling
+
+    tok = build_tokenizer()
+    digit = tok.convert_tokens_to_ids("1")
+
+    class Client:
+        def generate(self, prompts, sampling, n, seeds):
+            return [[SimpleNamespace(token_ids=[digit, tok.eos_token_id], logprobs=[-0.5, -0.5], weight_version=0,
+                                     finish_reason="stop")] for _ in prompts]
+
+    limits = EpisodeLimits(max_turns=2, max_episode_tokens=32, max_prompt_tokens=64, max_model_len=128,
+                           timeout_s=TIMEOUT_S)
+    runner = EpisodeRunner(hostile, tok, limits, num_workers=2)
+    bad = {1: "hold", 4: "exit", 6: "spin", 11: "exit"}
+    sampling = Sampling(max_tokens=2, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=(tok.eos_token_id,))
+    episodes, summary = runner.run(Client(), [sample(bad.get(k), answer=f"{k % 2}23") for k in range(12)],
+                                   lambda e, t: 0, sampling)
+    runner.close()
+    assert (summary.timeouts, summary.crashes, summary.errors) == (2, 2, 0)
+    assert [e.finish_reason for e in episodes] == ["error" if k in bad else "stop" for k in range(12)]
+    assert [e.reward for e in episodes] == [0.0 if k in bad else float(k % 2) for k in range(12)]

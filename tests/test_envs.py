@@ -15,7 +15,8 @@ from apmpo.config import ConfigError, CorrectionConfig, load_config
 from apmpo.envs import get_env
 from apmpo.envs.calculator import EXAMPLE, CalculatorEnv, calculate, tool_reply
 from apmpo.envs.chat import TemplateError, Transcript
-from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner, _check_step
+from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner
+from apmpo.envs.workers import check_step
 from apmpo.envs.reveal import RevealEnv
 from apmpo.learner.batching import Rollout, collate, plan_step
 from apmpo.learner.logprobs import token_logprobs
@@ -193,17 +194,7 @@ def test_calculator_result_too_large_for_a_float_is_an_error_message():
 ])
 def test_malformed_step_results_are_rejected(value, message):
     with pytest.raises((TypeError, ValueError), match=message):
-        _check_step(value)
-
-
-class _EndsAtOnce:
-    """Ends every episode at its first turn with reward 1, as the calculator scores a turn without a call."""
-
-    def reset(self, sample):
-        return "start"
-
-    def step(self, action):
-        return "", 1.0, True
+        check_step(value)
 
 
 class _ScriptedClient:
@@ -219,23 +210,26 @@ class _ScriptedClient:
         return outs
 
 
-def test_an_episode_whose_last_turn_was_cut_at_max_tokens_is_truncated(quickstart_tok):
+def test_an_episode_whose_last_turn_was_cut_at_max_tokens_is_truncated(quickstart_tok, monkeypatch):
     """A final turn cut by the per-turn token limit (no stop token) ends as "length" even when the environment then
     ends the episode (the calculator scores any turn without a call), so response/truncated_frac, eval's truncated_frac
     and rollout.mask_truncated see it, as they see a single-turn completion cut at max_tokens. The reward is the
     environment's. SmolLM2-135M cut 30% of its calculator episodes' last turns at 128 tokens, reported as 0%."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # its workers import flaky_envs, not this module
+    from flaky_envs import EndsAtOnce
+
     tok, end = quickstart_tok, quickstart_tok.eos_token_id
     digit = tok.convert_tokens_to_ids("3")
     limits = EpisodeLimits(max_turns=2, max_episode_tokens=16, max_prompt_tokens=64, max_model_len=128, timeout_s=5.0)
     sampling = Sampling(max_tokens=3, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=(end,))
     client = _ScriptedClient([[([digit, end], "stop"), ([digit] * 3, "length")]])
-    episodes, _ = EpisodeRunner(_EndsAtOnce, tok, limits).run(client, [{}, {}], lambda e, t: 0, sampling)
+    episodes, _ = EpisodeRunner(EndsAtOnce, tok, limits).run(client, [{}, {}], lambda e, t: 0, sampling)
     assert [e.finish_reason for e in episodes] == ["stop", "length"]
     assert [e.reward for e in episodes] == [1.0, 1.0]
     # cut by the episode's token budget: the same
     client = _ScriptedClient([[([digit] * 3 + [end], "stop")]])
     tight = EpisodeLimits(**{**limits.__dict__, "max_episode_tokens": 2})
-    assert EpisodeRunner(_EndsAtOnce, tok, tight).run(client, [{}], lambda e, t: 0, sampling)[0][0].finish_reason \
+    assert EpisodeRunner(EndsAtOnce, tok, tight).run(client, [{}], lambda e, t: 0, sampling)[0][0].finish_reason \
         == "length"
 
 
@@ -360,6 +354,16 @@ def test_multiturn_config_loads_with_its_limits():
     assert load_config("configs/quickstart_multiturn.yaml", ["loss.name=dr_grpo"]).loss.token_budget == 2 * 1
     assert load_config("configs/quickstart_multiturn.yaml", ["loss.name=dr_grpo", "rollout.max_tokens=30"]
                        ).loss.token_budget == 32
+
+
+def test_the_env_workers_memory_cap_and_answer_bound_come_from_the_config(quickstart_tok):
+    cfg = load_config("configs/quickstart_multiturn.yaml", ["rollout.env_memory_mb=300"])
+    workers = EpisodeRunner.from_config(cfg, quickstart_tok).workers
+    # the quickstart vocabulary's longest token (<|endoftext|>, 13 characters) times the longer token limit (the
+    # first prompt's 64; the episode's is 32)
+    assert (workers.memory_mb, workers.max_chars) == (300, 13 * 64)
+    assert EpisodeRunner.from_config(load_config("configs/quickstart_multiturn.yaml"), quickstart_tok
+                                     ).workers.memory_mb == 4096  # as reward workers: apmpo.rewards.batch.MEMORY_MB
 
 
 @pytest.mark.parametrize("overrides, message", [

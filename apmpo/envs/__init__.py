@@ -17,9 +17,12 @@ named in the config as `data.env: my_pkg.envs:Env` (or a built-in: `reveal`, `ca
 What the learner trains on (apmpo.envs.episodes.EpisodeRunner): the first prompt's ids, then each turn's sampled ids
 (their end-of-turn token included) and the environment message's ids as the chat template renders it, never
 re-tokenised; a loss mask that is 1 on sampled tokens only; the engine's log-probs of the sampled tokens; one
-reward (the last one `step` returned, 0 if none) and the weight version of each turn. The environment runs in the
-learner's rank-0 process, each call in a thread of its own with a time limit: a call that raises, runs past
-`data.env_timeout_s` or returns something malformed ends its episode with reward 0, and is counted.
+reward (the last one `step` returned, 0 if none) and the weight version of each turn. The environments run in
+worker processes (apmpo.envs.workers: `rollout.env_workers` of them, each capped at `rollout.env_memory_mb` of
+address space), one call at a time in each: a call that raises, runs past `data.env_timeout_s`, kills its worker,
+allocates past the cap, or returns something malformed or longer than the episode could hold ends its episode with
+reward 0, and is counted. The episodes that shared its worker are rebuilt on another (their reset and steps
+replayed) and go on; every process an environment starts ends with its batch.
 """
 from __future__ import annotations
 

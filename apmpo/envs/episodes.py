@@ -9,11 +9,14 @@ An Episode holds what the learner trains on (module docstring of apmpo.envs); `s
 the environment's failures as RewardPool.score counts a reward's (errors, timeouts, their total failures,
 first_error) and adds the seconds spent generating and in the environment, and the turns played.
 
-The environments live in worker processes (apmpo.envs.workers, `num_workers` of them: rollout.env_workers), all
-of a turn's calls at once, each waited for at most `timeout_s` (or until `deadline`). A call past that ends its
-episode with reward 0, counted as a timeout; a worker that dies ends its episodes (a crash, named with its exit
-code); a call that raises is its episode's error. When the batch's episodes are over their environments are
-dropped, and every worker that a failure touched is killed, with whatever the environment started in it.
+The environments live in worker processes (apmpo.envs.workers, `num_workers` of them: rollout.env_workers, each
+capped at `memory_mb` of address space: rollout.env_memory_mb), all of a turn's calls at once, each waited for at
+most `timeout_s` (or until `deadline`). A call past that ends its episode with reward 0, counted as a timeout; one
+that kills its worker is a crash (named with its exit code); one that raises, allocates past the cap, or answers
+with more characters than the episode could hold (`max_chars`: the first prompt's or the episode's token limit
+times the vocabulary's longest token) is its episode's error. Only that episode fails: the others its worker held
+are rebuilt on another. When the batch's episodes are over their environments are dropped, with every process
+they started.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from apmpo.envs import get_env
 from apmpo.envs.chat import TemplateError, Transcript
 from apmpo.envs.workers import EnvWorkers
-from apmpo.rewards.batch import RewardSummary, as_score
+from apmpo.rewards.batch import RewardSummary
 
 if TYPE_CHECKING:
     from apmpo.rollout.sampling import Sampling  # not at run time: it would import the client, and torch
@@ -73,9 +76,14 @@ class Episode:
 
 
 class EpisodeRunner:
-    def __init__(self, env_cls: type, tokenizer: Any, limits: EpisodeLimits, num_workers: int = 2):
+    def __init__(self, env_cls: type, tokenizer: Any, limits: EpisodeLimits, num_workers: int = 2,
+                 memory_mb: int | None = None):
         self.tokenizer, self.limits = tokenizer, limits
-        self.workers = EnvWorkers(env_cls, num_workers)
+        # An answer of more characters than this would take more tokens than the episode may hold, even if every
+        # token were the vocabulary's longest: it is refused in its worker, before it crosses or is tokenised.
+        longest = max(map(len, tokenizer.get_vocab()))
+        max_chars = longest * max(limits.max_prompt_tokens, limits.max_episode_tokens)
+        self.workers = EnvWorkers(env_cls, num_workers, max_chars, memory_mb)
         self._logged_failure = False
 
     def close(self) -> None:
@@ -90,7 +98,7 @@ class EpisodeRunner:
             return None
         return cls(get_env(d.env), tokenizer, EpisodeLimits(d.max_turns, d.max_episode_tokens, d.max_prompt_tokens,
                                                              cfg.rollout.max_model_len, d.env_timeout_s),
-                   cfg.rollout.env_workers)
+                   cfg.rollout.env_workers, cfg.rollout.env_memory_mb)
 
     def run(self, client, samples: Sequence[dict], seed_of: Callable[[int, int], int], sampling: Sampling,
             deadline: float | None = None) -> tuple[list[Episode], EpisodeSummary]:
@@ -134,7 +142,7 @@ class EpisodeRunner:
                 fail(k, status, f"reset: {first}")
                 continue
             try:
-                chats[k] = Transcript(self.tokenizer, _as_messages(first))
+                chats[k] = Transcript(self.tokenizer, first)
             except TemplateError:
                 raise
             except Exception as error:  # noqa: BLE001  (a malformed first prompt is the environment's failure)
@@ -183,11 +191,7 @@ class EpisodeRunner:
                 if status != "ok":
                     fail(k, status, f"step: {value}")
                     continue
-                try:
-                    observation, reward, done = _check_step(value)
-                except (TypeError, ValueError) as error:
-                    fail(k, "errors", f"step: {error}")
-                    continue
+                message, reward, done = value
                 if reward is not None:
                     episode.reward = reward
                 if done:  # a last turn that was cut is "length", as a cut single-turn completion is, and scored
@@ -197,7 +201,7 @@ class EpisodeRunner:
                     episode.finish_reason = "length"
                     continue
                 try:
-                    env_ids = chats[k].add_message(_as_message(observation))
+                    env_ids = chats[k].add_message(message)
                 except TemplateError:
                     raise
                 except Exception as error:  # noqa: BLE001  (e.g. a role the template refuses)
@@ -210,31 +214,3 @@ class EpisodeRunner:
                 episode.sampled += [False] * len(env_ids)
                 episode.logprobs += [0.0] * len(env_ids)
 
-
-def _as_message(observation: Any) -> dict:
-    if isinstance(observation, str):
-        return {"role": "user", "content": observation}
-    if isinstance(observation, dict) and isinstance(observation.get("role"), str) \
-            and isinstance(observation.get("content"), str):
-        return observation
-    raise TypeError(f"an observation must be a str or a {{'role': str, 'content': str}} message, got "
-                    f"{type(observation).__name__} {observation!r:.60}")
-
-
-def _as_messages(first: Any) -> list[dict]:
-    if isinstance(first, (list, tuple)) and first:
-        return [_as_message(m) for m in first]
-    return [_as_message(first)]
-
-
-def _check_step(value: Any) -> tuple[Any, float | None, bool]:
-    """step's (observation, reward or None, done), checked: a finite number or None, and a bool."""
-    if not (isinstance(value, tuple) and len(value) == 3):
-        raise TypeError(f"step must return (observation, reward or None, done), got {type(value).__name__} "
-                        f"{value!r:.60}")
-    observation, reward, done = value
-    if not isinstance(done, bool):
-        raise TypeError(f"step's done must be a bool, got {type(done).__name__} {done!r:.30}")
-    if reward is not None:  # the rule of every reward (apmpo.rewards.batch.as_score): 1e300 is inf in float32
-        reward = as_score(reward, "step's reward must be a number or None, got")
-    return observation, reward, done
