@@ -29,9 +29,10 @@ a failed one changes nothing.
 
 The routes are functions of this module; the engine they share, with its weight version and the state of a push,
 is a ServedEngine (apmpo/rollout/engine.py) on app.state. The engine is not thread-safe and an update must not
-interleave with generation, so one lock serialises engine access. An update holds it from /weights/begin until its load ends (success, failure or timeout), in a
-thread of its own, so a learner that dies mid-update cannot wedge the server. A generation runs one engine step
-at a time and is aborted between steps when its client goes away or after --generate-timeout-s.
+interleave with generation, so one lock serialises engine access. An update holds it from /weights/begin until its
+load ends (success, failure or timeout), in a thread of its own, so a learner that dies mid-update cannot wedge the
+server. A generation runs one engine step at a time and is aborted between steps when its client goes away or after
+--generate-timeout-s.
 """
 from __future__ import annotations
 
