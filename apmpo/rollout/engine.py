@@ -57,7 +57,8 @@ class ServedEngine:
     def check_alive(self) -> None:
         if compat.engine_dead(self.llm):
             raise HTTPException(503, "the vLLM engine process is dead; restart the server")
-        if self.step_at is not None and time.monotonic() - self.step_at > self.limits.generate_timeout_s:
+        step_at = self.step_at  # read once: a generate that ends meanwhile sets it to None
+        if step_at is not None and time.monotonic() - step_at > self.limits.generate_timeout_s:
             raise HTTPException(503, f"the engine has not finished a step for over "
                                      f"{self.limits.generate_timeout_s:.0f} s")
         self.refuse_if_broken()
@@ -160,7 +161,8 @@ class ServedEngine:
     def begin_update(self, req: BeginUpdateRequest) -> None:
         """Returns once generation is paused: the update holds the engine lock, in a thread of its own, until the
         workers have received and loaded the buckets (finish_update says how it went)."""
-        if self.update is not None and not self.update.done():
+        running = self.update  # read once: a /weights/finish meanwhile sets it to None
+        if running is not None and not running.done():
             raise HTTPException(409, "a weight update is already running")
         self.check_push(req)
         locked = threading.Event()
