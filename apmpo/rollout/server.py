@@ -319,15 +319,21 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     # The engine runs in a thread; this coroutine watches the connection meanwhile, so that a client that gives
     # up (disconnects, times out) frees the engine at its next step.
     gone = threading.Event()
-    result = asyncio.wrap_future(in_thread(engine.generate, req, params, gone))
+    result = asyncio.wrap_future(in_thread(run_generate, engine, req, params, gone))
     try:
         while not (await asyncio.wait({result}, timeout=0.5))[0]:
             if await request.is_disconnected():
                 gone.set()
-        outputs, version = result.result()
-        return GenerateResponse(outputs=[[Sample(**s) for s in row] for row in outputs], weight_version=version)
+        return result.result()
     finally:
         gone.set()  # also when uvicorn cancels this handler (shutdown)
+
+
+def run_generate(engine: ServedEngine, req: GenerateRequest, params: list, gone: threading.Event) -> GenerateResponse:
+    """In a thread of its own, the response too: a large one takes a while to build, which the event loop must not
+    wait for."""
+    outputs, version = engine.generate(req, params, gone)
+    return GenerateResponse(outputs=[[Sample(**s) for s in row] for row in outputs], weight_version=version)
 
 
 @router.post("/weights/init", dependencies=AUTH)
