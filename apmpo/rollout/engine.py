@@ -21,7 +21,8 @@ from apmpo.rollout.net import OneThread, in_thread
 from apmpo.rollout.weight_sync import ADAPTER_FOLDER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights
 
 if TYPE_CHECKING:
-    from apmpo.rollout.server import BeginUpdateRequest, GenerateRequest, InitWeightGroupRequest, Limits
+    from apmpo.rollout.server import (BeginUpdateRequest, GenerateRequest, InitWeightGroupRequest, Limits,
+                                      LoadUpdateRequest)
 
 log = logging.getLogger("apmpo.rollout.server")
 
@@ -197,12 +198,12 @@ class ServedEngine:
             if future.done():
                 self.update = None
 
-    def load_update(self, req: BeginUpdateRequest, segment: str) -> dict[str, Any]:
-        """The whole update is in the shm `segment` already, so the load needs nothing more from the learner and runs
+    def load_update(self, req: LoadUpdateRequest) -> dict[str, Any]:
+        """The whole update is in the shm segment already, so the load needs nothing more from the learner and runs
         in the request itself: a learner that dies meanwhile cannot wedge it. It waits behind a generate."""
         self.check_push(req)
         try:  # behind a begun update too: it holds the engine lock until its load ends
-            return self.run_update(req.model_dump()["buckets"], threading.Event(), in_place=segment,
+            return self.run_update(req.model_dump()["buckets"], threading.Event(), in_place=req.segment,
                                    adapter=req.adapter)
         except HTTPException:
             raise

@@ -357,7 +357,7 @@ def finish_update(request: Request) -> WeightUpdateResponse:
 
 @router.post("/weights/load", dependencies=AUTH)
 def load_update(req: LoadUpdateRequest, request: Request) -> WeightUpdateResponse:
-    return WeightUpdateResponse(**served(request).load_update(req, req.segment))
+    return WeightUpdateResponse(**served(request).load_update(req))
 
 
 @router.post("/lora/load", dependencies=AUTH)
