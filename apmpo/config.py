@@ -228,8 +228,8 @@ class RolloutConfig:
     # Processes that hold a batch's multi-turn environments (data.env; apmpo.envs.workers): a call past
     # data.env_timeout_s, or one that kills its process, ends only its own episode
     env_workers: int = ranged(2, "[1, 1024]")
-    env_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per env worker (RLIMIT_AS); None: apmpo.rewards.batch's
-    reward_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per worker (RLIMIT_AS); None: apmpo.rewards.batch's
+    env_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per env worker (RLIMIT_AS); None: apmpo.sandbox's
+    reward_memory_mb: int | None = ranged(None, "[64, 2**20]")  # per worker (RLIMIT_AS); None: apmpo.sandbox's
     reward_timeout_s: float = ranged(10.0, "(0, 86400]")
     # A step's total scoring time: items unscored by then score 0, as timeouts. None: STEP_TIMEOUT_ITEMS item
     # time-outs (hung items time out side by side, apmpo.rewards.batch, so a hang costs about one per step)

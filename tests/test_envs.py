@@ -363,7 +363,7 @@ def test_the_env_workers_memory_cap_and_answer_bound_come_from_the_config(quicks
     # first prompt's 64; the episode's is 32)
     assert (workers.memory_mb, workers.max_chars) == (300, 13 * 64)
     assert EpisodeRunner.from_config(load_config("configs/quickstart_multiturn.yaml"), quickstart_tok
-                                     ).workers.memory_mb == 4096  # as reward workers: apmpo.rewards.batch.MEMORY_MB
+                                     ).workers.memory_mb == 4096  # as reward workers: apmpo.sandbox.MEMORY_MB
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -214,6 +214,45 @@ def test_only_folders_under_the_adapter_root_are_read(client, policy, adapter_di
     assert client.info()["weight_version"] == version
 
 
+def test_a_link_swapped_while_the_load_waits_is_not_followed(client, policy, adapter_dir, tmp_path):
+    """/lora/load checked where the path led, then loaded the path once generation had drained: a link swapped in
+    between led the load out of the root. A generation holds the engine while the link is swapped."""
+    randomise(policy, seed=8)
+    policy.save_pretrained(adapter_dir / "checked")
+    randomise(policy, seed=9)
+    policy.save_pretrained(tmp_path)  # outside the root
+    link = adapter_dir / "link"
+    link.symlink_to(adapter_dir / "checked")
+    done, times = {}, {}
+
+    def generate():
+        client.generate(PROMPTS * 4, Sampling(max_tokens=128), n=16, seed=5)
+        times["generated"] = time.monotonic()
+
+    def load():
+        try:
+            done["version"] = client.load_adapter(link)
+        except ServerError as error:
+            done["error"] = error
+        times["loaded"] = time.monotonic()
+
+    generating = threading.Thread(target=generate)
+    generating.start()
+    time.sleep(0.5)
+    loading = threading.Thread(target=load)
+    loading.start()
+    time.sleep(1.5)  # the check takes microseconds once the request is in
+    (adapter_dir / "swap").symlink_to(tmp_path)
+    (adapter_dir / "swap").replace(link)
+    times["swapped"] = time.monotonic()
+    generating.join()
+    loading.join()
+    assert "error" not in done, f"the link was swapped before the check: it proves nothing ({done.get('error')})"
+    assert times["swapped"] < times["loaded"], "the load ended before the swap: it proves nothing, lengthen it"
+    randomise(policy, seed=8)
+    assert_scores_as_the_policy(client, policy, done["version"])
+
+
 def test_a_full_weight_push_replaces_the_adapter(client, policy, tiny_tied):
     base = AutoModelForCausalLM.from_pretrained(tiny_tied, dtype=torch.float32)
     version = client.push_weights(base.state_dict().items())

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from apmpo.data import arith, twostep
 from apmpo.data.answers import CHOICE_LETTERS, gold_to_text, last_boxed
+from apmpo.data.sqlite import open_readonly
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +164,6 @@ def detect_fields(row: dict) -> str:
 @functools.lru_cache(maxsize=256)
 def read_schema(db_path: str) -> str:
     """The database's CREATE TABLE statements, as stored by sqlite."""
-    from apmpo.rewards.sql import open_readonly  # noqa: PLC0415
-
     conn = open_readonly(db_path)
     try:
         rows = conn.execute(

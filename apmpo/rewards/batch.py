@@ -10,9 +10,10 @@ only a process can be stopped. Each worker scores one item at a time; an item th
 `timeout_s` gets its worker killed and replaced, so the items after it are still scored. A worker whose item
 has run for STALL_S (or a quarter of its timeout) is left to it, and an extra worker (at most MAX_STALLED at a
 time) takes the next items: hung items then time out side by side, and a few hangs cost about one timeout, not one
-each. A worker's address space is capped at `memory_mb` (RLIMIT_AS): a reward that allocates too much fails at once (MemoryError) instead of
-swapping the machine. An item whose reward raises, returns something other than a finite number (NaN, inf, a
-string, None), or whose worker dies, scores 0; so do the items left when a call runs past its `deadline`.
+each. A worker's address space is capped at `memory_mb` (RLIMIT_AS; apmpo.sandbox.MEMORY_MB by default): a reward
+that allocates too much fails at once (MemoryError) instead of swapping the machine. An item whose reward raises,
+returns something other than a finite number (NaN, inf, a string, None), or whose worker dies, scores 0; so do the
+items left when a call runs past its `deadline`.
 `summary` (a RewardSummary) counts them:
 
     RewardSummary(n=64, errors=1, timeouts=0, crashes=0, unscored=0, first_error="KeyError: 'answer'", seconds=0.4)
@@ -21,33 +22,28 @@ string, None), or whose worker dies, scores 0; so do the items left when a call 
 With `max_failures`, a call stops as soon as more items than that have failed, since the caller's verdict (the
 batch is broken) can no longer change: the rest score 0 and count as "unscored" failures.
 
-The first failure of a pool is logged once (a warning), not once per item. Workers start from a
-forkserver, never by forking the caller, which may hold CUDA or DeepSpeed state, and without re-running
-the caller's `__main__` (see `_Worker`): a reward must live in an importable module, not in the script.
+The first failure of a pool is logged once (a warning), not once per item. Workers are apmpo.sandbox's: they
+start from a forkserver, never by forking the caller, and without re-running the caller's `__main__`: a reward must
+live in an importable module, not in the script.
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import math
-import multiprocessing as mp
 import os
 import struct
-import sys
 import time
-import types
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Sequence
 
+from apmpo.sandbox import MEMORY_MB, limit_memory, start_worker
+
 logger = logging.getLogger(__name__)
 
 Reward = str | Callable[[str, dict], float]
-_CONTEXT = mp.get_context("forkserver")
-# Workers fork from a server that has already imported the verifiers (sympy takes ~1 s to import).
-_CONTEXT.set_forkserver_preload(["apmpo.rewards"])
 # Items sent to a worker ahead of its answers: the running one and one waiting. More would hold items behind a
 # slow one (sympy can take seconds) that another worker, once idle, could have taken.
 IN_FLIGHT = 2
@@ -62,7 +58,6 @@ MAX_STALLED = 16
 # A new worker's start-up and first imports may take this long beyond its first item's timeout (the forkserver's
 # own start imports the verifiers: 3 s on a busy machine); its item's clock starts once it is ready.
 STARTUP_S = 30.0
-MEMORY_MB = 4096  # a worker's address space (RLIMIT_AS); sympy's workers use a few hundred MiB
 
 
 @dataclass(frozen=True)
@@ -82,10 +77,7 @@ class RewardSummary:
 
 
 def _worker_main(conn: Connection, memory_mb: int) -> None:
-    import resource  # noqa: PLC0415
-
-    limit = memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    limit_memory(memory_mb)
     from apmpo.rewards import get_reward  # noqa: PLC0415  (in the worker, after fork)
 
     resolved: dict = {}
@@ -125,27 +117,9 @@ def as_score(value, what: str = "the reward returned") -> float:
     return score
 
 
-@contextlib.contextmanager
-def _main_module_hidden():
-    """A forkserver child re-runs the caller's `__main__` script before it runs its target (multiprocessing's
-    spawn.prepare). For launch/train.py that imports torch, DeepSpeed and transformers: ~4 s per worker on 2
-    busy cores, so each crashed worker cost its replacement most of a 5 s item timeout, and every worker held
-    torch in memory. With no `__main__` file to name, the child skips it."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
 class _Worker:
     def __init__(self, memory_mb: int) -> None:
-        self.conn, child_conn = _CONTEXT.Pipe()
-        self.process = _CONTEXT.Process(target=_worker_main, args=(child_conn, memory_mb), daemon=True)
-        with _main_module_hidden():
-            self.process.start()
-        child_conn.close()
+        self.conn, self.process = start_worker(_worker_main, memory_mb)
         self.items: list[int] = []  # sent, not yet answered; the first is running, the rest wait in the pipe
         self.ready = False  # started up: it said so
         self.started = 0.0  # when the running item started

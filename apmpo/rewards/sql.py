@@ -10,8 +10,8 @@ the whole completion). Both queries run on `sample["db_path"]`, and the results 
   compare with Python `==`; two empty results are equal.
 - "bird", BIRD's rule: `set(pred_rows) == set(gold_rows)`, queries run as written.
 
-Safety: the database is opened through a `mode=ro` URI with `PRAGMA query_only`, an authorizer
-that allows reading only (no ATTACH, PRAGMA, writes or schema changes), one statement per call, and
+Safety: the database is opened read-only (apmpo.data.sqlite: a `mode=ro` URI with `PRAGMA query_only`, an
+authorizer that allows reading only, no ATTACH, PRAGMA, writes or schema changes), one statement per call, and
 a progress handler that aborts any query running past QUERY_TIMEOUT_S, runaway joins included.
 SQL that does not parse or run scores 0.
 """
@@ -24,7 +24,8 @@ import time
 from collections import Counter
 from itertools import product
 from pathlib import Path
-from urllib.parse import quote
+
+from apmpo.data.sqlite import open_readonly
 
 QUERY_TIMEOUT_S = 10.0
 MAX_ROWS = 1_000_000  # more rows than any gold result; bounds memory for a runaway predicted query
@@ -34,9 +35,6 @@ _SQL_FENCE = re.compile(r"```sql\s*\n?(.*?)```", re.DOTALL | re.IGNORECASE)
 _ANY_FENCE = re.compile(r"```[a-zA-Z]*\s*\n?(.*?)```", re.DOTALL)
 # Quoted strings and identifiers, so that DISTINCT inside them is left alone.
 _QUOTED_OR_DISTINCT = re.compile(r"('(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|`[^`]*`|\[[^\]]*\])|\bdistinct\b", re.I)
-
-# Reading is all a scored query may do.
-_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
 
 
 class QueryError(Exception):
@@ -68,24 +66,6 @@ def spider_normalize(sql: str, predicted: bool) -> str:
 def remove_distinct(sql: str) -> str:
     """`sql` with every DISTINCT keyword removed (the Spider default), quoted text untouched."""
     return _QUOTED_OR_DISTINCT.sub(lambda m: m.group(1) or "", sql)
-
-
-def _authorize(action: int, *_args) -> int:
-    return sqlite3.SQLITE_OK if action in _ALLOWED_ACTIONS else sqlite3.SQLITE_DENY
-
-
-def open_readonly(db_path: str | Path) -> sqlite3.Connection:
-    """A connection that can only read `db_path`; raises if the file does not exist."""
-    path = Path(db_path).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"sqlite database not found: {path}")
-    conn = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, check_same_thread=False)
-    # Spider's databases hold a few non-UTF-8 strings; the official evaluation decodes them leniently.
-    conn.text_factory = lambda b: b.decode(errors="ignore")
-    conn.execute("PRAGMA query_only = ON")
-    conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-    conn.set_authorizer(_authorize)
-    return conn
 
 
 def execute_readonly(db_path: str | Path, sql: str, timeout_s: float = QUERY_TIMEOUT_S) -> list[tuple]:

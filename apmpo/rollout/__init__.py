@@ -1,4 +1,12 @@
-"""Generation: the vLLM server (`python -m apmpo.rollout.server`), its client, and learner→server weight sync."""
+"""Generation: a vLLM engine behind HTTP, and what the learner uses to reach it.
+
+- The server process (`python -m apmpo.rollout.server`): `server.py` (the HTTP routes), `engine.py` (the engine and
+  its state), `vllm_compat.py` (every use of vLLM), `no_torchvision.py`.
+- The learner and `python -m apmpo.eval`: `client.py` (`GenerationClient`), `pool.py` (several servers as one),
+  `launcher.py` (starts and stops servers).
+- Both sides: `weight_sync.py` (the learner→engine weight transport, with the extension mixed into the engine's
+  workers), `sampling.py` (`Sampling`, checked alike on both sides), `net.py` (addresses, ports, threads).
+"""
 from apmpo.rollout.client import GenerationClient, PushReport, Sample, ServerError, ServerUnavailable
 from apmpo.rollout.sampling import Sampling
 
