@@ -6,6 +6,9 @@
     python -m apmpo.study --out studies/smollm2_arith --methods apmpo_bf16 --variant "apmpo_bf16: model.dtype=bf16"
     python -m apmpo.study --out studies/smollm2_arith --methods apmpo_bf16 --seeds 2   # a variant it knows
     python -m apmpo.study --out studies/smollm2_arith --report [--reference grpo]   # the report alone
+    python -m apmpo.study --out studies/smollm2_arith --plan --halfwidth 2 --methods apmpo   # seeds for +-2 points
+    python -m apmpo.study --config configs/smollm2_arith.yaml --out studies/answer --methods apmpo,grpo \
+        --seeds 0-85 --score last --halfwidth 2     # the question fixed in study.json before the first run
 
 A method is a loss name (apmpo, grpo, dapo, gmpo, gspo, dr_grpo: `loss.name=NAME`), one of the built-in variants
 (`dapo` also samples dynamically as the paper's DAPO runs; `pmpo_only` and `fac_only` are the paper's ablations),
