@@ -191,6 +191,11 @@ def test_plan_prints_the_seeds_a_half_width_needs(tmp_path, capsys):
     assert "sd of the paired difference 3.0" in out and "+-2 points at the pilot's sd 3.0: 12 seeds" in out
     assert "--seeds 0-11 --score last --halfwidth 2" in out
     assert main(["--out", str(tmp_path / "none"), "--plan", "--halfwidth", "2"]) == 2
+    # runs without a validation curve have no auc to plan on: a clear error, not a traceback
+    for path in (tmp_path / "runs").glob("*/seed_*/result.json"):
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"validation": []}))
+    assert main(["--out", str(tmp_path), "--plan", "--halfwidth", "2", "--methods", "apmpo", "--score", "auc"]) == 2
+    assert "score auc needs a validation curve" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- records

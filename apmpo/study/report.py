@@ -194,6 +194,9 @@ def scores(runs: dict[int, dict], seeds: list[int], score: str) -> list[np.ndarr
     """A plan's score of each seed's run, as paired_difference takes it: per benchmark [seeds, problems] pass@1 of
     the last policy ("last"), or one column of validation AUC ("auc")."""
     if score == "auc":
+        missing = [s for s in seeds if not _curve(runs[s])]
+        if missing:
+            raise records.RecordError(f"score auc needs a validation curve: seeds {missing} have none (eval.every 0)")
         return [np.array([[validation_auc(_curve(runs[s]))] for s in seeds])]
     last = {s: runs[s]["eval"]["last"] for s in seeds}
     return [np.stack([pass_rates(last[s]["benchmarks"][b]["correct"], last[s]["n"], 1) for s in seeds])
