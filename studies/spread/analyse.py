@@ -117,22 +117,28 @@ def main() -> None:
     study_sd = np.std([g for _, g in score.values()], ddof=1)
     print(f"  for scale: GRPO's sd over the study's 6 seeds (both changed): {study_sd:.1f}")
 
-    print("reruns (15 steps) against the study's seed-0 runs:")
-    for method, name, result in [("apmpo", "apmpo_t0_d0_15", A[0]), ("grpo", "grpo_t0_d0_15", G[0])]:
+    print("a rerun (15 steps) of the study's GRPO seed 3 (run after the engines' sampling changes):")
+    for method, name, seed in [("grpo", "grpo_t3_d3_15", 3)]:
         metrics, _ = spread_run(name)
         if not metrics:
             continue
-        study_metrics = read_metrics(STUDY / method / "seed_0" / "metrics.jsonl")
+        study_metrics = read_metrics(STUDY / method / f"seed_{seed}" / "metrics.jsonl")
         keys = [k for k in metrics[1] if not k.startswith("time/") and k in study_metrics[1]]
         steps = sorted(set(metrics) & set(study_metrics))
         first = next((s for s in steps for k in keys if metrics[s].get(k) != study_metrics[s].get(k)), None)
+        sampled = [k for k in ("reward/mean", "response/length_mean") if k in keys]
+        same_samples = all(metrics[s][k] == study_metrics[s][k] for s in steps for k in sampled)
         print(f"  {method}: {len(steps)} steps, {len(keys)} metrics each: "
-              + ("every value equal" if first is None else f"first difference at step {first}"))
+              + ("every value equal" if first is None else f"first difference at step {first}")
+              + f"; rewards and lengths {'equal' if same_samples else 'differ'} on every step")
     da, dg = digests("apmpo_t0_d0_15"), digests("grpo_t0_d0_15")
     if da and dg:
         same = [(s, np.mean([x == y for x, y in zip(da[s], dg[s])])) for s in sorted(set(da) & set(dg))]
         print("APMPO and GRPO on seed 0, share of identical completions by step: "
               + " ".join(f"{s}:{f:.2f}" for s, f in same))
+        va, vg = spread_run("apmpo_t0_d0_15")[0], spread_run("grpo_t0_d0_15")[0]
+        both = [s for s in sorted(set(va) & set(vg)) if KEY in va[s] and KEY in vg[s]]
+        print("  their validation: " + " ".join(f"{s}: {100 * va[s][KEY]:.1f}/{100 * vg[s][KEY]:.1f}" for s in both))
     print("planning at this design: "
           f"{stats.seeds_needed(d.std(ddof=1), 2.0)} seeds for +-2 points at the paired sd {d.std(ddof=1):.1f}")
 
