@@ -721,14 +721,13 @@ def main(argv: list[str] | None = None) -> int:
         methods = {m: method_overrides(m, variants) for m in asked}
         settings = None if args.config is None else Settings(
             args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every)
+        if (args.report or args.plan) and not (out / "study.json").is_file():
+            raise StudyError(f"{out / 'study.json'} does not exist: " + (
+                f"no study to report on in {out}" if args.report else "--plan reads a study's finished pairs"))
         if args.report:
-            if not (out / "study.json").is_file():
-                raise StudyError(f"{out / 'study.json'} does not exist: no study to report on in {out}")
             log(f"report: {write_report(out, list(saved_methods(out)), args.reference)}")
             return 0
         if args.plan:
-            if not (out / "study.json").is_file():
-                raise StudyError(f"{out / 'study.json'} does not exist: --plan reads a study's finished pairs")
             print_plan(out, args)
             return 0
         if not asked:
