@@ -8,15 +8,15 @@
   string). `--set` values are parsed as YAML, then checked the same way.
 - Every numeric field declares its range (`ranged(default, "[lo, hi]")`): values outside it, and floats that are
   not finite, fail at load naming the key. Paths longer than the file system takes fail too.
-- What a run needs on this machine is checked at load (`check_sources`): the model, a local data file's records,
-  the reward, a CUDA-only weight transport, wandb; rollout.max_model_len against a local model's positions.
+- What a run needs of this machine and of other packages (the model, data, reward, environment, benchmarks, GPUs,
+  the checkpoint to resume) is `apmpo.preflight`'s, run after loading and before any process starts. This module
+  imports nothing of apmpo above the ground floor (loss, sampling, seeding).
 - Derived values live in one place: the properties under "derived" in `Config`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import json
 import math
 import re
@@ -33,8 +33,11 @@ import yaml
 
 from apmpo import seeding
 from apmpo.loss import POLICY_LOSSES, LossConfig
-from apmpo.rollout.sampling import Sampling, check_sampling
-from apmpo.rollout.weight_sync import Transport
+from apmpo.sampling import Sampling, check_sampling
+
+
+# How the learner pushes weights into the engines (apmpo.rollout.weight_sync, which picks one for "auto").
+Transport = Literal["gloo", "shm", "nccl", "cuda_ipc"]
 
 
 class ConfigError(ValueError):
@@ -185,7 +188,7 @@ STEP_TIMEOUT_ITEMS = 30
 class RolloutConfig:
     prompts_per_step: int = ranged(512, "[1, 2**20]")  # B
     group_size: int = ranged(8, "[2, 2**16]")  # G samples per prompt; advantages need two
-    temperature: float = ranged(1.0, "[0, 2]")  # 0 (greedy) or [0.01, 2]: apmpo.rollout.sampling.check_sampling
+    temperature: float = ranged(1.0, "[0, 2]")  # 0 (greedy) or [0.01, 2]: apmpo.sampling.check_sampling
     top_p: float = ranged(1.0, "(0, 1]")
     top_k: int = ranged(-1, "[-1, 2**20]")  # -1: off; not 0
     max_tokens: int = ranged(1024, "[1, 2**20]")
@@ -398,9 +401,9 @@ class Config:
     def total_optimizer_steps(self) -> int:
         return self.train.steps * self.mini_batches_per_rollout * self.train.epochs
 
-    def validate(self, check_sources: bool = True) -> "Config":
-        """Cross-field checks; field types were checked on load. `check_sources`: the model, data and reward
-        must exist here (off only to check a config meant for another machine)."""
+    def validate(self) -> "Config":
+        """Cross-field checks; field types were checked on load. What the config needs of this machine:
+        apmpo.preflight."""
         r, t = self.rollout, self.train
         if r.prompts_per_step % t.mini_batch_size:
             raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
@@ -428,8 +431,6 @@ class Config:
             raise ConfigError(layout_error)
         _check_eval(self)
         _warn_if_ratios_are_one(self)
-        if check_sources:
-            _check_sources(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -448,71 +449,11 @@ def _check_zero(cfg: Config) -> None:
 
 
 def _check_sampling(sampling: Sampling, n: int, where: str) -> None:
-    """As the generation server checks a request (the one rule, apmpo.rollout.sampling.check_sampling)."""
+    """As the generation server checks a request (the one rule, apmpo.sampling.check_sampling)."""
     try:
         check_sampling(sampling, n, where)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-
-
-# A hub id is "org/name"; anything else that is not a built-in name must exist on this machine.
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-def _check_sources(cfg: Config) -> None:
-    """The model, data, reward and transports a run names exist and work on this machine, so that a typo or a
-    missing package fails here, not after the server started."""
-    path = cfg.model.path
-    from apmpo import models  # noqa: PLC0415  (light: no torch)
-
-    if path in models.MODELS:
-        try:
-            models.resolve(path, verify=True)  # once per run: the bytes of a damaged cache are refused here
-        except FileNotFoundError as error:
-            raise ConfigError(f"model.path: {error}") from None
-    elif path != "quickstart" and not Path(path).expanduser().is_dir() and not HUB_ID.match(path):
-        raise ConfigError(f"model.path {path!r} is neither a local directory, a hub id (org/name) nor a fetchable "
-                          f"model ({', '.join(models.MODELS)}: python -m apmpo.models fetch NAME)")
-    _check_model_positions(cfg)
-    train = cfg.data.train
-    from apmpo.data import BUILTIN  # noqa: PLC0415  (light: no torch, no sympy)
-
-    if train not in BUILTIN and train != "quickstart":
-        if Path(train).expanduser().is_file():
-            _check_data_file(cfg.data)
-        elif not Path(train).expanduser().exists() and (train.endswith(DATA_SUFFIXES) or not HUB_ID.match(train)):
-            raise ConfigError(f"data.train {train!r}: no such file, and not a built-in dataset "
-                              f"({', '.join(sorted(BUILTIN))}, quickstart) or a hub id (org/name)")
-    if cfg.data.env is not None:
-        from apmpo.envs import get_env  # noqa: PLC0415
-
-        try:
-            get_env(cfg.data.env)
-        except Exception as exc:  # noqa: BLE001  (any import failure of the user's module is a config error)
-            raise ConfigError(f"data.env {cfg.data.env!r}: {type(exc).__name__}: {exc}") from None
-    else:
-        _check_reward(cfg.data.reward)
-    if cfg.model.dtype == "fp16" and not native_fp16():
-        raise ConfigError(
-            "model.dtype: fp16 needs a GPU, or a CPU whose oneDNN computes fp16 (AVX512-FP16 or AMX-FP16), and this "
-            f"CPU has neither (torch {torch.__version__}: oneDNN fp16 unsupported): DeepSpeed refuses fp16 here ('Type "
-            "fp16 is not supported on your device'), and fp16 matmuls would be converted to fp32, slower than fp32 "
-            "itself. Use bf16 or fp32 on this machine (docs/precision.md)")
-    if cfg.rollout.weight_sync in ("nccl", "cuda_ipc") and not torch.cuda.is_available():
-        raise ConfigError(f"rollout.weight_sync: {cfg.rollout.weight_sync} needs CUDA, which this machine lacks; "
-                          "use auto (gloo or shm on CPU)")
-    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("logging.wandb: true, but wandb is not installed (pip install wandb)")
-    if cfg.eval.every:
-        from apmpo.eval.run import EvalError, check_benchmark_sources  # noqa: PLC0415
-
-        try:
-            check_benchmark_sources(cfg.eval.benchmarks)
-        except EvalError as error:
-            raise ConfigError(f"eval.benchmarks: {error}") from None
-        if cfg.eval.reward is not None:
-            _check_reward(cfg.eval.reward, "eval.reward")
 
 
 def _is_url(url: str) -> bool:
@@ -523,37 +464,6 @@ def _is_url(url: str) -> bool:
     except ValueError:
         return False
     return port_ok and parts.scheme in ("http", "https") and bool(parts.hostname) and not re.search(r"\s", url)
-
-
-def _check_model_positions(cfg: Config) -> None:
-    """rollout.max_model_len within the model's positions, when its config.json is on this machine (vLLM would
-    refuse it only after the server started)."""
-    try:
-        from apmpo import models  # noqa: PLC0415  (light: no torch)
-
-        path = models.resolve(cfg.model.path) if cfg.model.path in models.MODELS else cfg.model.path
-        model = json.loads((Path(path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # a hub id, the quickstart's (written at the start of the run), or vLLM's to judge
-    positions = model.get("max_position_embeddings", (model.get("text_config") or {}).get("max_position_embeddings"))
-    if isinstance(positions, int) and cfg.rollout.max_model_len > positions:
-        raise ConfigError(f"rollout.max_model_len ({cfg.rollout.max_model_len}) exceeds the model's "
-                          f"max_position_embeddings ({positions}, {cfg.model.path}/config.json)")
-
-
-def _check_data_file(d: DataConfig) -> None:
-    """A local data file is read and mapped to records here (no tokenizer: cheap), so that an empty or malformed
-    file, or one missing a field, fails before any server starts."""
-    from apmpo.data import load_records  # noqa: PLC0415
-
-    try:
-        records = load_records(d.train, split=d.split, fields=d.fields, db_root=d.db_root,
-                               system_prompt=d.system_prompt, image_root=d.image_root)
-    except Exception as error:  # noqa: BLE001  (whatever the file does wrong is the config's error)
-        message = f"missing field {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
-        raise ConfigError(f"data.train {d.train!r}: {message}") from None
-    if not records:
-        raise ConfigError(f"data.train {d.train!r} holds no records (with a gold answer)")
 
 
 class ConfigWarning(UserWarning):
@@ -599,18 +509,6 @@ def _check_servers(cfg: Config) -> None:
         if r.num_servers not in (1, len(r.urls)):
             raise ConfigError(f"rollout.num_servers ({r.num_servers}) is for servers the run starts; rollout.urls "
                               f"names {len(r.urls)} running ones")
-    if r.devices is None:
-        return
-    from apmpo.rollout.launcher import server_groups  # noqa: PLC0415
-
-    try:
-        groups = server_groups(r.devices, r.num_servers)
-    except ValueError as error:
-        raise ConfigError(f"rollout.devices: {error} (rollout.num_servers)") from None
-    sizes = {len(group.split(",")) for group in groups}
-    if r.tensor_parallel_size is not None and sizes != {r.tensor_parallel_size}:
-        raise ConfigError(f"rollout.tensor_parallel_size ({r.tensor_parallel_size}) must equal the GPUs of each "
-                          f"server's group in rollout.devices={r.devices!r}, or be left unset")
 
 
 def _check_episodes(cfg: Config) -> None:
@@ -652,33 +550,14 @@ def _check_eval(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     _check_sampling(e.sampling(), e.n, "eval.")
-    from apmpo.eval.run import EvalError, benchmark_names  # noqa: PLC0415  (light: apmpo.data, no torch)
-
-    try:
-        names = benchmark_names(e.benchmarks)
-    except EvalError as error:
-        raise ConfigError(f"eval.benchmarks: {error}") from None
-    if keep_best is not None:
-        keys = [f"val/{name}/pass@{k}" for name in names for k in dict.fromkeys([1, e.k or e.n])]
-        if keep_best not in keys:
-            raise ConfigError(f"checkpoint.keep_best {keep_best!r} is not a logged validation score; one of {keys}")
-
-
-def _check_reward(reward: str, key: str = "data.reward") -> None:
-    from apmpo.rewards import get_reward  # noqa: PLC0415
-
-    try:
-        get_reward(reward)
-    except Exception as exc:  # noqa: BLE001  (any import failure of the user's module is a config error)
-        raise ConfigError(f"{key} {reward!r}: {type(exc).__name__}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = (),
-                check_sources: bool = True) -> Config:
-    """Read a YAML file (with its `base:` files), apply `a.b=v` overrides, type-check, validate."""
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Read a YAML file (with its `base:` files), apply `a.b=v` overrides, type-check, validate. What the config
+    needs of this machine is apmpo.preflight.check's."""
     data: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
     for item in overrides:
@@ -706,7 +585,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             budget = min(budget * d.get("max_turns", DataConfig.max_turns),
                          d.get("max_episode_tokens", DataConfig.max_episode_tokens))
         data["loss"] = {**loss, "token_budget": budget}
-    return _build(Config, data, prefix="", source=source).validate(check_sources)
+    return _build(Config, data, prefix="", source=source).validate()
 
 
 def native_bf16() -> str | None:

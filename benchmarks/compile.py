@@ -31,7 +31,7 @@ def worker(model: str, mode: str, prompts: int, n: int) -> None:
     from apmpo.data import encode_prompt, stop_token_ids
     from apmpo.quickstart import make_samples
     from apmpo.rollout import vllm_compat as compat
-    from apmpo.rollout.sampling import Sampling
+    from apmpo.sampling import Sampling
 
     llm = compat.build_engine(compat.EngineArgs(model=model, dtype="float32", max_model_len=512,
                                                 enforce_eager=mode == "eager"))

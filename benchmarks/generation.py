@@ -20,7 +20,7 @@ import torch
 
 from apmpo.rollout import vllm_compat as compat
 from apmpo.rollout.launcher import start_server
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from apmpo.tiny import save_tiny_model
 
 

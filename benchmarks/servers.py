@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from apmpo.rollout.launcher import serve
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from apmpo.tiny import save_tiny_model
 
 

@@ -38,7 +38,7 @@ def worker(model_path: str, dtype: str, sets: list[str], out: str) -> None:
 
     dist = init_distributed()
     # Only the model and ZeRO settings matter here: the data and serving checks are skipped.
-    cfg = load_config(None, [f"model.path={model_path}", f"model.dtype={dtype}", *sets], check_sources=False)
+    cfg = load_config(None, [f"model.path={model_path}", f"model.dtype={dtype}", *sets])
     engine = build_engine(load_model(model_path, cfg, dist.device), cfg, dist)
     vocab = engine.module.config.vocab_size
     ids = torch.randint(3, vocab, (2, 32), generator=torch.Generator().manual_seed(dist.rank))

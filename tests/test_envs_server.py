@@ -25,7 +25,7 @@ from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner
 from apmpo.eval.__main__ import main as eval_main
 from apmpo.quickstart import build_tokenizer, make_samples, save_quickstart_model
 from apmpo.rollout.launcher import start_server
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from train_runs import metrics, run, train_command
 
 pytestmark = pytest.mark.slow

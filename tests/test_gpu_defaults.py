@@ -60,7 +60,7 @@ def test_fp32_gradient_reduction_is_a_key_that_reaches_deepspeed():
 
 
 def test_an_fp16_learner_is_deepspeeds_fp16_with_dynamic_loss_scaling():
-    fp16 = deepspeed_config(load_config(None, ["model.dtype=fp16"], check_sources=False), CPU)
+    fp16 = deepspeed_config(load_config(None, ["model.dtype=fp16"]), CPU)
     assert fp16["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                             "hysteresis": 2, "min_loss_scale": 1}  # loss_scale 0: dynamic
     assert fp16["bf16"]["enabled"] is False and fp16["data_types"] == {"grad_accum_dtype": "fp32"}
@@ -75,7 +75,7 @@ def test_an_fp16_learner_is_deepspeeds_fp16_with_dynamic_loss_scaling():
     ("fp32", 1, 0.3, True),
 ])
 def test_only_real_failures_count_toward_max_skipped_in_a_row(dtype, skipped, loss, failed):
-    cfg = load_config(None, [f"model.dtype={dtype}"], check_sources=False)
+    cfg = load_config(None, [f"model.dtype={dtype}"])
     assert step_failed(cfg, {"train/skipped_steps": skipped, "loss/total": loss}) is failed
 
 

@@ -45,10 +45,9 @@ def test_dist_timeout_default_is_at_least_two_hours():
 
 
 def gpu_config(devices, weight_sync="auto"):
-    """A config meant for a GPU machine: the checks of what this (CPU) machine has are off, as for any config
-    checked elsewhere than where it runs; check_devices is given the GPUs."""
-    return load_config(None, [f"rollout.devices={devices!r}", f"rollout.weight_sync={weight_sync}"],
-                       check_sources=False)
+    """A config meant for a GPU machine, loaded without apmpo.preflight's checks of this (CPU) machine, as for any
+    config checked elsewhere than where it runs; check_devices is given the GPUs."""
+    return load_config(None, [f"rollout.devices={devices!r}", f"rollout.weight_sync={weight_sync}"])
 
 
 @pytest.mark.parametrize("cores, ranks, overlap, threads", [

@@ -17,7 +17,7 @@ from apmpo.learner.zero3 import WholeWeights
 from apmpo.rollout import GenerationClient, ServerError
 from apmpo.rollout.launcher import start_server
 from apmpo.rollout.pool import ServerPool
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from conftest import SERVER_TOKEN
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from apmpo.data import load_records
 from apmpo.data.vision import NEVER_SAMPLE_BIAS, VisionInputs, placeholder_token_ids
 from apmpo.learner.batching import Rollout, collate
 from apmpo.learner.logprobs import token_logprobs
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from apmpo.tiny import save_synthetic_diagrams, save_tiny_vl_model
 from train_runs import metrics, run, train_command
 

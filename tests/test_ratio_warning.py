@@ -34,7 +34,7 @@ def test_at_ratio_one_the_gradient_is_grpos(name):
 def _caught(overrides):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_config("configs/quickstart.yaml", overrides, check_sources=False)
+        load_config("configs/quickstart.yaml", overrides)
     return [w for w in caught if issubclass(w.category, ConfigWarning)]
 
 

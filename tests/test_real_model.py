@@ -30,7 +30,7 @@ from apmpo.envs.chat import Transcript
 from apmpo.rollout import GenerationClient
 from apmpo.rewards import math_reward
 from apmpo.rollout.launcher import start_server
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable, clie
 from apmpo.rollout.launcher import ServerSet, ServerStartError, start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.weight_sync import SHM_DIR
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from apmpo.tiny import save_perturbed_copy
 from conftest import SERVER_LIMITS, SERVER_TOKEN as TOKEN, start_test_server
 

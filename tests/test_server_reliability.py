@@ -16,7 +16,7 @@ import requests
 from apmpo.rollout import GenerationClient, ServerUnavailable
 from apmpo.rollout.launcher import start_server
 from apmpo.rollout.net import free_port
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from conftest import SERVER_LIMITS, SERVER_TOKEN
 
 pytestmark = pytest.mark.slow
@@ -112,7 +112,7 @@ def test_stop_after_the_server_was_killed_stops_its_engine(engines):
 ENGINE_SCRIPT = """
 import sys
 from apmpo.rollout import vllm_compat as compat
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 
 def params(seed, prompts=1, max_tokens=4):
     return [compat.sampling_params(Sampling(max_tokens), n=2, seed=seed + 2 * i) for i in range(prompts)]

@@ -2,13 +2,14 @@
 error names its key), the eval CLI's --server (repeated) and --num-servers, and the launcher's device groups."""
 import pytest
 
+from apmpo import preflight
 from apmpo.config import ConfigError, load_config
 from apmpo.eval.__main__ import parse_args
 from apmpo.rollout.launcher import device_groups
 
 
 def rollout(*sets):
-    return load_config(None, [f"rollout.{s}" for s in sets]).rollout
+    return preflight.check(load_config(None, [f"rollout.{s}" for s in sets])).rollout
 
 
 def test_one_server_is_the_default():

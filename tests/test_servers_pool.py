@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerSet, start_servers
 from apmpo.rollout.pool import ServerPool
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from conftest import SERVER_TOKEN as TOKEN
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from apmpo.rollout.launcher import _group_alive
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from train_runs import QUICKSTART_RUN, ROOT, metrics, run, train_command
 
 REQUIRED = {"step", "reward/mean", "reward/std", "apmpo/p", "apmpo/fss", "apmpo/eps_ada", "loss/policy",

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import apmpo.rollout.launcher
+from apmpo import preflight
 from apmpo.config import ConfigError, load_config
 from apmpo.eval.__main__ import main as eval_main
 from apmpo.eval.run import resolve_benchmarks
@@ -78,7 +79,7 @@ def test_quickstart_val_never_overlaps_training_prompts():
 ])
 def test_bad_eval_config_fails_at_load_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as error:
-        load_config(QUICKSTART, overrides)
+        preflight.check(load_config(QUICKSTART, overrides))
     assert message in str(error.value)
 
 

@@ -10,7 +10,7 @@ from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from apmpo import seeding
 from apmpo.rollout import vllm_compat as compat
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 
 METHOD, BUSY = "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
 

@@ -17,7 +17,7 @@ import torch
 
 from apmpo.rollout import GenerationClient
 from apmpo.rollout.net import local_address_towards
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from apmpo.rollout.weight_sync import gloo_devices
 from apmpo.tiny import save_perturbed_copy
 

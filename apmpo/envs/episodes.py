@@ -32,7 +32,7 @@ from apmpo.envs.workers import EnvWorkers
 from apmpo.rewards.batch import RewardSummary
 
 if TYPE_CHECKING:
-    from apmpo.rollout.sampling import Sampling  # not at run time: it would import the client, and torch
+    from apmpo.sampling import Sampling  # not at run time: it would import the client, and torch
 
 logger = logging.getLogger(__name__)
 

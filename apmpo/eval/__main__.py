@@ -35,7 +35,7 @@ from apmpo.eval.run import (BATCH_PROMPTS, Benchmark, EvalError, SampleStore, ch
 from apmpo.eval.table import render
 from apmpo.rollout.client import ServerError, ServerUnavailable
 from apmpo.rollout.launcher import ServerStartError
-from apmpo.rollout.sampling import Sampling, check_sampling
+from apmpo.sampling import Sampling, check_sampling
 
 PAPER_BENCHMARKS = "math500,aime24,aime25,amc23,minerva,olympiadbench"
 

@@ -26,7 +26,7 @@ from apmpo.data import BUILTIN, build_messages, encode_prompt, load_records
 
 if TYPE_CHECKING:  # light at run time: the config imports this module to check eval.benchmarks
     from apmpo.rewards import RewardSummary
-    from apmpo.rollout.sampling import Sampling
+    from apmpo.sampling import Sampling
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 QUICKSTART_VAL = "quickstart_val"  # the CPU quickstart's held-out prompts (apmpo.quickstart.make_val_samples)

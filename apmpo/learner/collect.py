@@ -23,7 +23,7 @@ from apmpo.envs.episodes import EpisodeRunner
 from apmpo.learner.batching import Rollout, StepRollouts
 from apmpo.loss import LossConfig, adaptive_params, advantages_for
 from apmpo.rewards import RewardSummary
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 
 # completions, samples, deadline=, max_failures= -> (rewards, summary): apmpo.rewards.RewardPool.score with the
 # reward bound; crashes and time-outs are scored 0 and counted in the RewardSummary.

@@ -29,7 +29,7 @@ import requests
 import torch
 
 from apmpo.rollout.net import in_thread, is_loopback, local_address_towards
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from apmpo.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, Bucket, StreamedTensors, Transport, WeightGroup,
                                        all_finite, holds_in_place, pack_in_place, plan_buckets, select_transport,
                                        send_buckets, sweep_orphans_in_shm)

@@ -35,7 +35,7 @@ import torch
 from apmpo.rollout.client import (GenerationClient, PushReport, Sample, ServerError, ServerUnavailable,
                                   WeightSender)
 from apmpo.rollout.net import in_thread
-from apmpo.rollout.sampling import Sampling
+from apmpo.sampling import Sampling
 from apmpo.rollout.weight_sync import StreamedTensors
 
 # What every server of a pool must agree on: prompts are encoded once, for one model.

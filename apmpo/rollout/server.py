@@ -64,7 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from apmpo.cpu_memory import ONE_ARENA, keep_freed_memory, sets_arena_max
 from apmpo.rollout import no_torchvision
 from apmpo.rollout.net import OneThread, bind_socket, in_thread, is_loopback
-from apmpo.rollout.sampling import Sampling, check_sampling
+from apmpo.sampling import Sampling, check_sampling
 from apmpo.rollout.weight_sync import Transport, sweep_orphans_in_shm
 
 if TYPE_CHECKING:

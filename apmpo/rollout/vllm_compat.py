@@ -139,7 +139,7 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.logprobs import LogprobsProcessor  # noqa: E402
 
-from apmpo.rollout.sampling import Sampling  # noqa: E402
+from apmpo.sampling import Sampling  # noqa: E402
 from apmpo.rollout.weight_sync import WeightReceiverExtension  # noqa: E402,F401 (WORKER_EXTENSION)
 
 

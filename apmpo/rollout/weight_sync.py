@@ -36,15 +36,15 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Literal, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
+from apmpo.config import Transport
 from apmpo.rollout.net import local_address_towards
 
 logger = logging.getLogger("vllm.apmpo")  # a child of vLLM's logger: the worker prints it without setup
-Transport = Literal["gloo", "shm", "nccl", "cuda_ipc"]
 DEFAULT_BUCKET_BYTES = 64 * 2**20  # on CPU 64 MiB overlapped transfer and load better than 256 (45% vs 29%)
 _ALIGN = 64  # bytes; every tensor starts at a multiple, so a uint8 slice can be viewed as any dtype
 SHM_DIR = "/dev/shm"

@@ -231,6 +231,7 @@ def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]
     """Every asked (method, seed), its config resolved now (a bad one raises ConfigError naming the key), and
     checked against what an earlier call trained it with (its config.yaml). Seed by seed: a study stopped early
     holds whole pairs for the report."""
+    from apmpo import preflight
     from apmpo.config import load_config
 
     runs = []
@@ -245,6 +246,7 @@ def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]
                 key = f"val/{cfg.eval.benchmarks.split(',')[0].split('=')[0]}/pass@1"
                 overrides += (f"checkpoint.keep_best={key}",)
                 cfg = load_config(settings.config, overrides)
+            preflight.check(cfg)
             elapsed = run_dir / "elapsed.json"  # read now: a broken one stops the study before anything runs
             before = records.read(elapsed, records.Elapsed).seconds if elapsed.is_file() else 0.0
             run = Run(method, seed, methods[method], overrides, run_dir, cfg, before=before)

@@ -157,16 +157,18 @@ def _paired(evals: dict[int, dict], ref_evals: dict[int, dict]) -> dict:
     if not seeds:
         return {"pairs": 0}
     out: dict = {}
+    names = [b for b in _benchmarks(evals) if b in ref_evals[seeds[0]]["benchmarks"]]
     for k in _ks(evals):
-        def per_problem(e, name):
-            return pass_rates(e["benchmarks"][name]["correct"], e["n"], k)
-
-        names = [b for b in _benchmarks(evals) if b in ref_evals[seeds[0]]["benchmarks"]]
-        ours = [np.stack([per_problem(evals[s], b) for s in seeds]) for b in names]
-        theirs = [np.stack([per_problem(ref_evals[s], b) for s in seeds]) for b in names]
+        ours, theirs = _pass_rates(evals, seeds, names, k), _pass_rates(ref_evals, seeds, names, k)
         out[f"pass@{k}"] = {"average": paired_difference(ours, theirs),
                             **{b: paired_difference([o], [t]) for b, o, t in zip(names, ours, theirs)}}
     return out
+
+
+def _pass_rates(evals: dict[int, dict], seeds: list[int], names: list[str], k: int) -> list[np.ndarray]:
+    """Per benchmark, each seed's per-problem pass@k: [seeds, problems]."""
+    return [np.stack([pass_rates(evals[s]["benchmarks"][b]["correct"], evals[s]["n"], k) for s in seeds])
+            for b in names]
 
 
 def _curve(result: dict) -> list[tuple[int, float]]:
@@ -199,8 +201,7 @@ def scores(runs: dict[int, dict], seeds: list[int], score: str) -> list[np.ndarr
             raise records.RecordError(f"score auc needs a validation curve: seeds {missing} have none (eval.every 0)")
         return [np.array([[validation_auc(_curve(runs[s]))] for s in seeds])]
     last = {s: runs[s]["eval"]["last"] for s in seeds}
-    return [np.stack([pass_rates(last[s]["benchmarks"][b]["correct"], last[s]["n"], 1) for s in seeds])
-            for b in _benchmarks(last)]
+    return _pass_rates(last, seeds, _benchmarks(last), 1)
 
 
 def answer(results: dict[str, dict[int, dict]], plan: records.Plan) -> dict:
