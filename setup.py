@@ -54,6 +54,6 @@ setup(
         # python -m apmpo.models fetch NAME: transformers' GGUF loader converts the registry's GGUF files.
         "models": MODELS_EXTRA,
         # tests/test_real_model.py fetches SmolLM2-135M-Instruct as a user would.
-        "test": ["pytest>=8", "pytest-timeout", "matplotlib", "datasets>=3", "pyarrow", *MODELS_EXTRA],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "matplotlib", "datasets>=3", "pyarrow", *MODELS_EXTRA],
     },
 )
