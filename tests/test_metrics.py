@@ -49,3 +49,17 @@ def test_a_full_disk_names_the_metrics_file(tmp_path):
         logger.log(1, {"reward/mean": 0.5})
     assert info.value.errno == errno.ENOSPC
     logger.bar.close()
+
+
+def test_the_completions_digests_keep_one_line_per_step_over_a_resume_and_a_restart(tmp_path):
+    """rollouts.jsonl follows metrics.jsonl: a run resumed at step 2 keeps steps 1-2, one from scratch none (a
+    spread run retrained from scratch once appended its 9 steps after the first attempt's 15)."""
+    from apmpo.learner.metrics import drop_steps_after
+
+    path = tmp_path / "rollouts.jsonl"
+    lines = [json.dumps({"step": step, "crc32": [step]}) for step in (1, 2, 3)]
+    path.write_text("\n".join(lines) + '\n{"step": 4, "cr')
+    drop_steps_after(path, 2)
+    assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
+    drop_steps_after(path, 0)
+    assert path.read_text() == ""

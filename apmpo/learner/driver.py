@@ -34,7 +34,7 @@ from apmpo.learner.batching import Rollout
 from apmpo.learner.checkpoint import save_best
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
 from apmpo.learner.engine import check_devices
-from apmpo.learner.metrics import MetricsLogger
+from apmpo.learner.metrics import MetricsLogger, drop_steps_after
 from apmpo.learner.prepare import load_prompts
 from apmpo.learner.zero3 import WholeWeights
 from apmpo.loss import AdaptiveParams
@@ -100,6 +100,7 @@ class Driver(contextlib.ExitStack):
         if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
             self.push(weights)
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
+        drop_steps_after(cfg.run_dir / "rollouts.jsonl", start_step)  # as the metrics: a step's digests once
         sampling = cfg.rollout.sampling(stop_token_ids(self.model_path, tokenizer))  # stops as in evaluation
         episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: multi-turn episodes, else None
         if episodes is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -15,7 +16,7 @@ class MetricsLogger:
     def __init__(self, cfg: Config, start_step: int):
         self.path = cfg.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._drop_steps_after(start_step)  # a resumed run redoes the steps after its checkpoint
+        drop_steps_after(self.path, start_step)
         self.file = open(self.path, "a", encoding="utf-8")
         self.tensorboard = None
         if cfg.logging.tensorboard:
@@ -56,24 +57,25 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
 
-    def _drop_steps_after(self, step: int) -> None:
-        """Keep the records of steps up to `step`. A last line that does not parse was torn by a crash or a full
-        disk while it was written: it belongs to a step after the checkpoint, so it goes too."""
-        if not self.path.is_file():
-            return
-        lines = [line for line in self.path.read_text(errors="replace").splitlines() if line.strip()]
-        kept = []
-        for number, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                if number == len(lines):
-                    break
-                raise ValueError(f"{self.path}:{number} is not a JSON record ({error}); only the last line may "
-                                 "be torn") from None
-            if record.get("step", 0) <= step:
-                kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+
+def drop_steps_after(path: Path, step: int) -> None:
+    """Keep the records of a per-step JSON-lines file (metrics.jsonl, rollouts.jsonl) up to `step`: a resumed run
+    redoes the steps after its checkpoint, a run from scratch all of them. A last line that does not parse was torn
+    by a crash or a full disk while it was written: it belongs to a step after the checkpoint, so it goes too."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number} is not a JSON record ({error}); only the last line may be torn") from None
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _finite(value: float) -> float | None:
