@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import re
 import types
@@ -34,7 +33,6 @@ import yaml
 from apmpo import seeding
 from apmpo.loss import POLICY_LOSSES, LossConfig
 from apmpo.sampling import Sampling, check_sampling
-
 
 # How the learner pushes weights into the engines (apmpo.rollout.weight_sync, which picks one for "auto").
 Transport = Literal["gloo", "shm", "nccl", "cuda_ipc"]
