@@ -118,17 +118,15 @@ def main() -> None:
     print(f"  for scale: GRPO's sd over the study's 6 seeds (both changed): {study_sd:.1f}")
 
     print("a rerun (15 steps) of the study's GRPO seed 3 (run after the engines' sampling changes):")
-    for method, name, seed in [("grpo", "grpo_t3_d3_15", 3)]:
-        metrics, _ = spread_run(name)
-        if not metrics:
-            continue
-        study_metrics = read_metrics(STUDY / method / f"seed_{seed}" / "metrics.jsonl")
+    metrics, _ = spread_run("grpo_t3_d3_15")
+    if metrics:
+        study_metrics = read_metrics(STUDY / "grpo" / "seed_3" / "metrics.jsonl")
         keys = [k for k in metrics[1] if not k.startswith("time/") and k in study_metrics[1]]
         steps = sorted(set(metrics) & set(study_metrics))
         first = next((s for s in steps for k in keys if metrics[s].get(k) != study_metrics[s].get(k)), None)
         sampled = [k for k in ("reward/mean", "response/length_mean") if k in keys]
         same_samples = all(metrics[s][k] == study_metrics[s][k] for s in steps for k in sampled)
-        print(f"  {method}: {len(steps)} steps, {len(keys)} metrics each: "
+        print(f"  grpo: {len(steps)} steps, {len(keys)} metrics each: "
               + ("every value equal" if first is None else f"first difference at step {first}")
               + f"; rewards and lengths {'equal' if same_samples else 'differ'} on every step")
     da, dg = digests("apmpo_t0_d0_15"), digests("grpo_t0_d0_15")
