@@ -16,16 +16,22 @@ run() {  # NAME STEPS EVAL_SEEDS OVERRIDES...
   for o in "$@" "train.steps=$steps" "logging.output_dir=$OUT" "logging.run_name=$name" "train.resume=auto" \
            "checkpoint.save_every=10" "checkpoint.keep_last=1"; do sets+=(--set "$o"); done
   if [[ ! -f $dir/checkpoints/step_$steps/trainer_state.json ]]; then
-    echo "[spread] $name: training" && $PY launch/train.py \
-      --config configs/smollm2_arith.yaml "${sets[@]}" > "$OUT/$name.log" 2>&1 || { echo "[spread] $name failed"; return 1; }
+    echo "[spread] $name: training"
+    $PY launch/train.py --config configs/smollm2_arith.yaml "${sets[@]}" > "$OUT/$name.log" 2>&1 &
+    wait $! || { echo "[spread] $name failed"; return 1; }
   fi
   [[ -z $seeds || -f $dir/eval/last/results.json ]] && return 0
-  echo "[spread] $name: eval" && $PY -m apmpo.eval --model "$dir/checkpoints/step_$steps" --benchmarks arith_test \
+  echo "[spread] $name: eval"
+  $PY -m apmpo.eval --model "$dir/checkpoints/step_$steps" --benchmarks arith_test \
     --out "$dir/eval/last" --label "$name last" --n 16 --seeds "$seeds" --temperature 0.7 --top-p 1.0 \
     --max-tokens 128 --max-model-len 256 --reward-workers 1 --reward-timeout-s 10 --enforce-eager \
-    >> "$OUT/$name.log" 2>&1 || { echo "[spread] $name eval failed"; return 1; }
+    >> "$OUT/$name.log" 2>&1 &
+  wait $! || { echo "[spread] $name eval failed"; return 1; }
 }
 mkdir -p $OUT
+# Each run goes in the background and is waited for, so that a TERM or INT to the queue reaches it at once: a plain
+# `python launch/train.py` follows no parent (it may be nohup's), and a killed queue left its run training.
+trap 'kill $(jobs -p) 2>/dev/null; exit 143' TERM INT
 extend() {  # FROM TO: a copy of a finished shorter run, to go on from its last checkpoint (a resume is exact)
   [[ -d $OUT/$2 || ! -d $OUT/$1 ]] || cp -r "$OUT/$1" "$OUT/$2"
 }
