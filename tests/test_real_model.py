@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from apmpo import models
+from apmpo import models, preflight
 from apmpo.config import ConfigError, load_config
 from apmpo.data import encode_prompt, load_records, stop_token_ids
 from apmpo.envs.calculator import CalculatorEnv
@@ -100,11 +100,11 @@ def test_the_fetch_wrote_a_verified_fp32_model_with_its_chat_format(model_dir, h
 
 
 def test_a_name_resolves_to_the_cache_and_an_unfetched_one_says_how_to_fetch(model_dir, monkeypatch, tmp_path):
-    cfg = load_config(ROOT / "configs/smollm2_arith.yaml")  # fetched: loads, sources checked
+    cfg = preflight.check(load_config(ROOT / "configs/smollm2_arith.yaml"))  # fetched: loads and passes preflight
     assert models.resolve(cfg.model.path) == str(model_dir)
     monkeypatch.setenv("APMPO_CACHE", str(tmp_path))  # an empty cache
     with pytest.raises(ConfigError, match=rf"model.path: .*python -m apmpo.models fetch {NAME}"):
-        load_config(ROOT / "configs/smollm2_arith.yaml")
+        preflight.check(load_config(ROOT / "configs/smollm2_arith.yaml"))
     done = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model", NAME, "--benchmarks", "arith_test",
                            "--out", str(tmp_path / "eval")], capture_output=True, text=True, env=os.environ.copy())
     assert done.returncode == 1 and f"run `python -m apmpo.models fetch {NAME}` first" in done.stderr
@@ -161,7 +161,7 @@ def test_a_damaged_cache_is_refused_with_its_remedy(model_dir, tmp_path, monkeyp
     damage(entry)
     remedy = rf"{cause}.*python -m apmpo.models fetch {NAME}` to fetch it again"
     with pytest.raises(ConfigError, match=rf"model.path: .*{remedy}"):
-        load_config(ROOT / "configs/smollm2_arith.yaml")
+        preflight.check(load_config(ROOT / "configs/smollm2_arith.yaml"))
     with pytest.raises(models.CacheError, match=remedy):
         models.resolve(NAME, verify=True)
     if cheap:  # sizes and presence: what every resolve checks, without reading the bytes
