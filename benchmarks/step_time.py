@@ -87,9 +87,10 @@ def graded(completion: str, sample: dict) -> float:
 
 
 def learner_threads(max_staleness: int = 0) -> int:
+    from apmpo.cpu_threads import usable_cores
     from apmpo.learner.engine import cpu_threads
 
-    return cpu_threads(os.cpu_count() or 1, world_size=1, overlap=max_staleness > 0)
+    return cpu_threads(usable_cores(), world_size=1, overlap=max_staleness > 0)
 
 
 # --- models ----------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from apmpo import dirlock, models, seeding
+from apmpo.cpu_threads import usable_cores
 from apmpo.data import FIELD_MAPS, stop_token_ids
 from apmpo.eval.metrics import average, summarize_benchmark
 from apmpo.eval.run import (BATCH_PROMPTS, Benchmark, EvalError, SampleStore, check_settings, encode_benchmark,
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r = p.add_argument_group("scoring")
     r.add_argument("--reward", default=None, help="score every benchmark with this reward instead of its task's: a "
                    "registry name (math, sql, choice, quickstart) or pkg.module:function, as data.reward in training")
-    r.add_argument("--reward-workers", type=int, default=min(os.cpu_count() or 1, 8))
+    r.add_argument("--reward-workers", type=int, default=min(usable_cores(), 8))
     r.add_argument("--reward-timeout-s", type=float, default=10.0, help="per item; a timeout scores 0, as in training")
     e = p.add_argument_group("multi-turn episodes (apmpo.envs): each sample is an episode, scored by its environment")
     e.add_argument("--env", default=None, help="environment: reveal, calculator or pkg.module:Class, as data.env")

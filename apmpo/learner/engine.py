@@ -18,6 +18,7 @@ import torch
 
 from apmpo.config import Config, ConfigError
 from apmpo.cpu_memory import keep_freed_memory
+from apmpo.cpu_threads import usable_cores
 from apmpo.learner.logprobs import attach_logprob_head
 
 
@@ -52,7 +53,8 @@ def init_distributed(timeout_s: float = 7200.0, overlap: bool = True) -> Dist:
         # communication backend. Only its inference all-reduce uses it; ZeRO's collectives go through gloo.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
-        torch.set_num_threads(cpu_threads(os.cpu_count() or 1, int(os.environ["WORLD_SIZE"]), overlap))
+        if "OMP_NUM_THREADS" not in os.environ:  # else torch took it when it loaded
+            torch.set_num_threads(cpu_threads(usable_cores(), int(os.environ["WORLD_SIZE"]), overlap))
         keep_freed_memory()
     import deepspeed
 

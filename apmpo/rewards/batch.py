@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Sequence
 
+from apmpo.cpu_threads import usable_cores
 from apmpo.sandbox import MEMORY_MB, limit_memory, start_worker
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class RewardPool:
     """`num_workers` scoring processes, kept alive across calls to `score`."""
 
     def __init__(self, num_workers: int | None = None, timeout_s: float = 10.0, memory_mb: int | None = None) -> None:
-        self.num_workers = num_workers or os.cpu_count() or 1
+        self.num_workers = num_workers or usable_cores()
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb or MEMORY_MB
         self.stall_s = min(STALL_S, timeout_s / 4)
@@ -310,6 +310,6 @@ def score_batch(
     num_workers: int | None = None,
 ) -> tuple[list[float], RewardSummary]:
     """One-off `RewardPool(num_workers, timeout_s).score(reward, completions, samples)`."""
-    num_workers = min(num_workers or os.cpu_count() or 1, max(1, len(completions)))
+    num_workers = min(num_workers or usable_cores(), max(1, len(completions)))
     with RewardPool(num_workers, timeout_s) as pool:
         return pool.score(reward, completions, samples)

@@ -36,6 +36,7 @@ from typing import Iterator
 import torch
 
 from apmpo.cpu_memory import with_one_arena
+from apmpo.cpu_threads import usable_cores
 from apmpo.rollout.client import READY_POLL_S, GenerationClient, ServerUnavailable
 from apmpo.rollout.net import bind_socket, is_loopback
 from apmpo.rollout.pool import ServerPool
@@ -260,7 +261,7 @@ def cpu_server_threads(model: str, num_servers: int, overlap: bool, cores: int |
     `overlap`: the synchronous loop). The servers split them."""
     from transformers import AutoConfig
 
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     # The config is read only when it matters: a server on a bad path then fails with its own error.
     whole = (not overlap
              and AutoConfig.from_pretrained(model).get_text_config().hidden_size >= COMPUTE_BOUND_HIDDEN_SIZE)
