@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# Two test workers (pytest.ini) share the 2 cores with every process their tests start. libgomp teams that together
+# outnumber the cores spin against each other at every barrier (benchmarks/omp_wait.py), so each process computes
+# on one thread. Set before torch loads: libgomp reads it then, and every process a test starts inherits it.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from apmpo.tiny import save_perturbed_copy, save_tiny_model
 
 TESTS = Path(__file__).resolve().parent
