@@ -101,14 +101,25 @@ def main() -> None:
     rho = np.corrcoef([a for a, _ in score.values()], [g for _, g in score.values()])[0, 1]
     print(f"the arms' correlation over seeds: {rho:.2f}")
 
-    print("training (GRPO, last policy; the study's seed-0 run: train.seed 0, data.seed 0):")
-    grpo0 = score[0][1]
+    # The reference cell, trained again with today's engine sampling (the study's seed 0 predates it), and scored
+    # on two evaluation seeds: the same policy measured twice.
+    metrics0, grpo0 = spread_run("grpo_t0_d0")
+    if grpo0 is None:
+        return
+    per_seed = [100 * v for v in json.loads((RUNS / "grpo_t0_d0" / "eval" / "last" / "results.json").read_text())
+                ["benchmarks"]["arith_test"]["pass@1"]["per_seed"]]
+    print(f"the reference GRPO run (train.seed 0, data.seed 0) again: {grpo0:.1f}; by evaluation seed "
+          + " / ".join(f"{v:.1f}" for v in per_seed) + f" (one policy scored twice: {per_seed[0] - per_seed[1]:+.1f}, "
+          f"predicted sd {np.sqrt(2 * ve):.1f}, the study's runs' mean)")
+    print(f"  the study's seed-0 GRPO, same prompts and order, sampled by the engine before its inverse-CDF "
+          f"sampling and on another machine: {score[0][1]:.1f} ({score[0][1] - grpo0:+.1f}): other sampling numbers")
+    print("training (GRPO, last policy; against the reference run):")
     for name, what in [("grpo_t1_d0", "train.seed 1"), ("grpo_t2_d0", "train.seed 2"),
                        ("grpo_t0_d1", "data.seed 1"), ("grpo_t0_d2", "data.seed 2")]:
         metrics, s = spread_run(name)
         if s is not None:
             print(f"  {what}: {s:.1f} (against {grpo0:.1f}: {s - grpo0:+.1f}); step-30 validation "
-                  f"{100 * metrics[30][KEY]:.1f} (against {validation(G[0])[30]:.1f})")
+                  f"{100 * metrics[30][KEY]:.1f} (against {100 * metrics0[30][KEY]:.1f})")
     for fixed, names in [("data.seed 0, train.seed 0-2", ["grpo_t1_d0", "grpo_t2_d0"]),
                          ("train.seed 0, data.seed 0-2", ["grpo_t0_d1", "grpo_t0_d2"])]:
         values = [grpo0] + [s for s in (spread_run(n)[1] for n in names) if s is not None]
