@@ -11,19 +11,24 @@ past its time.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing as mp
+import os
 import resource
+import signal
 import sys
 import types
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 MEMORY_MB = 4096  # a worker's address space (RLIMIT_AS); sympy's reward workers use a few hundred MiB
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # prctl(2)
 
 _CONTEXT = mp.get_context("forkserver")
 # Workers fork from a server that has already imported the verifiers (sympy takes ~1 s to import).
-_CONTEXT.set_forkserver_preload(["apmpo.rewards"])
+# apmpo.forkserver makes the server keep, and kill at its exit, what its workers' trees leave behind.
+_CONTEXT.set_forkserver_preload(["apmpo.rewards", "apmpo.forkserver"])
 
 
 def start_worker(target: Callable[..., None], *args: Any, name: str | None = None) -> tuple[Connection, mp.Process]:
@@ -53,3 +58,46 @@ def _main_module_hidden():
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from one read of /proc (its per-task `children` files are not in every kernel)."""
+    children = collections.defaultdict(list)
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:  # it ended meanwhile
+                continue
+            children[int(stat[stat.rindex(b")") + 2:].split()[1])].append(int(name))
+    return children
+
+
+def kill_tree(root: int, with_root: bool = True) -> None:
+    """SIGKILLs the descendants of process `root` (and `root`). Each is stopped before its children are read, so
+    none forks or dies while the tree is walked (a subreaper root keeps its orphans in the tree), then all die."""
+    stopped = {root} if with_root else set()
+    for pid in stopped:
+        _signal(pid, signal.SIGSTOP)
+    while True:
+        children, tree, todo = _children(), set(), [root]
+        while todo:
+            below = children.get(todo.pop(), [])
+            tree.update(below)
+            todo += below
+        new = tree - stopped
+        if not new:
+            break
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= new
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

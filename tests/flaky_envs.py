@@ -139,6 +139,9 @@ class Hostile(RevealEnv):
             threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
         elif do == "spawn":
             _spawn(self.sample["marker"])
+        elif do == "spawn and exit later":  # its worker dies by itself, its processes orphaned
+            _spawn(self.sample["marker"])
+            threading.Timer(0.2, os._exit, (3,)).start()
         elif do == "spawn and hang":
             _spawn(self.sample["marker"])
             time.sleep(3600)

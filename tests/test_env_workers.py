@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -201,6 +203,42 @@ def test_nothing_outlives_close(hostile):
     alone.close()
     assert _gone(marker)
     assert not worker.process.is_alive()
+
+
+LEARNER = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+alive, orphaned = os.environ["MARKERS"].split()  # not in argv, where they would mark this process too
+import flaky_envs
+from apmpo.envs.workers import EnvWorkers
+pool = EnvWorkers(flaky_envs.Hostile, 2, 1000)
+pool.begin(2)
+pool.call_all([(0, "reset", {"answer": "1", "do": "spawn", "marker": alive}),
+               (1, "reset", {"answer": "1", "do": "spawn and exit later", "marker": orphaned})], 30.0)
+print(pool.call_all([(0, "step", "1"), (1, "step", "1")], 5.0), flush=True)
+time.sleep(3600)
+"""
+
+
+def test_nothing_an_environment_started_outlives_a_learner_killed_by_sigkill():
+    """A learner SIGKILLed mid-batch: one worker alive with an environment's child, setsid child and double-forked
+    daemon, another that died by itself (os._exit) after starting the same. The forkserver (apmpo/forkserver.py)
+    had adopted the dead worker's processes; it reads EOF from the dead learner, kills its whole tree and exits.
+    Before, the workers died by PR_SET_PDEATHSIG alone, and the setsid children and daemons went to init."""
+    alive, orphaned = _marker(), _marker()
+    learner = subprocess.Popen([sys.executable, "-c", LEARNER, str(TESTS)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "MARKERS": f"{alive} {orphaned}"})
+    try:
+        assert learner.stdout.readline().count("'ok'") == 2
+        until = time.monotonic() + 5.0
+        while len(_processes_with(orphaned)) < 3 and time.monotonic() < until:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the second worker's os._exit, 0.2 s after its step answered
+        assert len(_processes_with(alive)) == 3 and len(_processes_with(orphaned)) == 3
+    finally:
+        learner.kill()
+        learner.wait()
+    assert _gone(alive) and _gone(orphaned)
 
 
 def test_a_worker_left_with_a_thread_after_its_batch_is_replaced(pool):

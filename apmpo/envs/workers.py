@@ -39,8 +39,10 @@ No process an environment starts outlives its batch: each worker is a child subr
 every process started under it (a setsid child, a double-forked daemon) stays in its tree; `kill_tree` stops the
 whole tree, then kills it. At a batch's end a worker kills its own descendants (environments may keep a process
 from step to step, not from batch to batch), and one left with more threads or open files than it started with is
-killed; a worker killed for a failure goes with its tree. Workers die with the learner (PR_SET_PDEATHSIG); the
-processes of a worker that dies by itself (os._exit) leave its tree: those still in its process group are killed.
+killed; a worker killed for a failure goes with its tree. When the learner is gone, even by SIGKILL, the workers
+and everything under them go too: the forkserver they fork from follows the learner and, as a subreaper, holds
+the processes of workers that died by themselves (os._exit) until then (apmpo/forkserver.py); those still in
+such a worker's process group are killed at once.
 The next batch starts new workers where needed (milliseconds: they fork from apmpo.sandbox's forkserver, which
 reward workers share).
 """
@@ -59,7 +61,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from apmpo.rewards.batch import as_score
-from apmpo.sandbox import MEMORY_MB, limit_memory, start_worker
+from apmpo.sandbox import MEMORY_MB, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_tree, limit_memory, start_worker
 
 STARTUP_S = 30.0  # a new worker's start and its import of the environment's module, beyond its first call's time
 END_S = 2.0  # for a worker to drop its environments, end their processes and say whether it is clean
@@ -67,54 +69,10 @@ END_S = 2.0  # for a worker to drop its environments, end their processes and sa
 # workers, extra ones included: at most MAX_STALLED beyond num_workers, for the length of a call_all.
 STALL_S = 1.0
 MAX_STALLED = 16
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 def _open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _children() -> dict[int, list[int]]:
-    """Every process's children, from one read of /proc (its per-task `children` files are not in every kernel)."""
-    children = collections.defaultdict(list)
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:  # it ended meanwhile
-                continue
-            children[int(stat[stat.rindex(b")") + 2:].split()[1])].append(int(name))
-    return children
-
-
-def kill_tree(root: int, with_root: bool = True) -> None:
-    """SIGKILLs the descendants of process `root` (and `root`). Each is stopped before its children are read, so
-    none forks or dies while the tree is walked (a subreaper root keeps its orphans in the tree), then all die."""
-    stopped = {root} if with_root else set()
-    for pid in stopped:
-        _signal(pid, signal.SIGSTOP)
-    while True:
-        children, tree, todo = _children(), set(), [root]
-        while todo:
-            below = children.get(todo.pop(), [])
-            tree.update(below)
-            todo += below
-        new = tree - stopped
-        if not new:
-            break
-        for pid in new:
-            _signal(pid, signal.SIGSTOP)
-        stopped |= new
-    for pid in stopped:
-        _signal(pid, signal.SIGKILL)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _end_descendants() -> None:
@@ -203,7 +161,8 @@ def _worker_main(conn: Connection, env_cls: type, max_chars: int, memory_mb: int
     while True:
         try:
             message = conn.recv()
-        except EOFError:
+        except EOFError:  # the learner is gone
+            _end_descendants()
             return
         if message == "end":
             envs.clear()  # no gc.collect(): 50-100 ms of this heap per batch; an environment's cycles go later
