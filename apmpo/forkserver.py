@@ -13,18 +13,24 @@ import ctypes
 import os
 import select
 import threading
+import time
 import warnings
 
 from apmpo.sandbox import PR_SET_CHILD_SUBREAPER, kill_tree
 
 
 def _end_with(parent: int) -> None:
+    """Waits until the parent has exited, then kills this server's tree and the server."""
     try:
-        with open(os.pidfd_open(parent), "rb") as pidfd:
-            if os.getppid() == parent:  # else it is gone already
-                select.select([pidfd], [], [])  # readable once the parent has exited
-    except ProcessLookupError:
+        pidfd = os.pidfd_open(parent)
+    except ProcessLookupError:  # gone already
         pass
+    except OSError:  # a kernel before 5.3
+        while os.getppid() == parent:
+            time.sleep(1.0)
+    else:
+        if os.getppid() == parent:  # else it exited before its pidfd was opened
+            select.select([pidfd], [], [])  # readable once it has exited
     kill_tree(os.getpid(), with_root=False)
     os._exit(0)
 
