@@ -5,8 +5,8 @@ A worker is a child subreaper, so what an environment starts (a setsid child, a 
 worker's tree while the worker lives. A worker that dies (os._exit, or PR_SET_PDEATHSIG when the forkserver goes)
 would hand those to init; as a subreaper itself, the forkserver receives them instead. It cannot wait for the EOF
 that multiprocessing ends it with: every worker holds the pipe's write end, and so does any process an environment
-forks. So a thread follows the learner (its parent), and when the learner exits, even by SIGKILL, it kills the
-server's whole tree and the server.
+forks. So a thread follows the learner (its parent), and when the learner exits, even by SIGKILL of it or of its
+process group, it kills the server's whole tree and the server.
 """
 import atexit
 import ctypes
@@ -35,6 +35,9 @@ def _end_with(parent: int) -> None:
     os._exit(0)
 
 
+# A session of its own: a SIGKILL to the learner's process group (`kill -9 -PGID`) does not take it with the learner
+# before it has killed its tree.
+os.setsid()
 ctypes.CDLL("libc.so.6").prctl(PR_SET_CHILD_SUBREAPER, 1)
 threading.Thread(target=_end_with, args=(os.getppid(),), daemon=True, name="apmpo-end-with-learner").start()
 atexit.register(kill_tree, os.getpid(), with_root=False)  # it also ends by SystemExit, at that EOF

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -220,14 +221,16 @@ time.sleep(3600)
 """
 
 
-def test_nothing_an_environment_started_outlives_a_learner_killed_by_sigkill():
+@pytest.mark.parametrize("group", [False, True], ids=["learner", "its-process-group"])
+def test_nothing_an_environment_started_outlives_a_learner_killed_by_sigkill(group):
     """A learner SIGKILLed mid-batch: one worker alive with an environment's child, setsid child and double-forked
     daemon, another that died by itself (os._exit) after starting the same. The forkserver (apmpo/forkserver.py)
     had adopted the dead worker's processes; it reads EOF from the dead learner, kills its whole tree and exits.
-    Before, the workers died by PR_SET_PDEATHSIG alone, and the setsid children and daemons went to init."""
+    Before, the workers died by PR_SET_PDEATHSIG alone, and the setsid children and daemons went to init. `kill -9
+    -PGID` of the learner's group too: the forkserver has a session of its own."""
     alive, orphaned = _marker(), _marker()
     learner = subprocess.Popen([sys.executable, "-c", LEARNER, str(TESTS)], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "MARKERS": f"{alive} {orphaned}"})
+                               env={**os.environ, "MARKERS": f"{alive} {orphaned}"}, start_new_session=group)
     try:
         assert learner.stdout.readline().count("'ok'") == 2
         until = time.monotonic() + 5.0
@@ -236,7 +239,7 @@ def test_nothing_an_environment_started_outlives_a_learner_killed_by_sigkill():
         time.sleep(0.5)  # the second worker's os._exit, 0.2 s after its step answered
         assert len(_processes_with(alive)) == 3 and len(_processes_with(orphaned)) == 3
     finally:
-        learner.kill()
+        os.killpg(learner.pid, signal.SIGKILL) if group else learner.kill()
         learner.wait()
     assert _gone(alive) and _gone(orphaned)
 
