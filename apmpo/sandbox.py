@@ -8,6 +8,8 @@ past its time.
 - A worker caps its own address space (`limit_memory`: RLIMIT_AS, MEMORY_MB unless configured): a call that
   allocates too much fails at once with MemoryError, instead of swapping the machine or waking the OOM killer, which
   may pick the learner.
+- No process a worker's code starts outlives the learner: `kill_tree` ends a process's whole tree, and the
+  forkserver (apmpo/forkserver.py, its preload) adopts what dead workers leave and ends it with the learner.
 """
 from __future__ import annotations
 
