@@ -47,5 +47,11 @@ run grpo_t0_d1 30 0 loss.name=grpo train.seed=0 data.seed=1
 extend apmpo_t0_d0_15 apmpo_t0_d0 && run apmpo_t0_d0 30 0 loss.name=apmpo train.seed=0 data.seed=0
 run grpo_t2_d0 30 0 loss.name=grpo train.seed=2 data.seed=0
 run grpo_t0_d2 30 0 loss.name=grpo train.seed=0 data.seed=2
+# The plateau (the design, item 2): do runs that differ only in their sampling noise (train.seed 0-2) agree more at
+# step 60 than at step 30? The learning rate is constant after its warm-up, so the first 30 steps of a 60-step run
+# are the 30-step run: each goes on from its step-30 checkpoint (a resume is exact).
+for t in 0 1 2; do
+  extend grpo_t${t}_d0 grpo_t${t}_d0_60 && run grpo_t${t}_d0_60 60 0 loss.name=grpo train.seed=$t data.seed=0
+done
 run grpo_t3_d3_15 15 "" loss.name=grpo train.seed=3 data.seed=3
 echo "[spread] queue done"
