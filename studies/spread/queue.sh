@@ -32,8 +32,9 @@ mkdir -p $OUT
 # Each run goes in the background and is waited for, so that a TERM or INT to the queue reaches it at once: a plain
 # `python launch/train.py` follows no parent (it may be nohup's), and a killed queue left its run training.
 trap 'kill $(jobs -p) 2>/dev/null; exit 143' TERM INT
-extend() {  # FROM TO: a copy of a finished shorter run, to go on from its last checkpoint (a resume is exact)
-  [[ -d $OUT/$2 || ! -d $OUT/$1 ]] || cp -r "$OUT/$1" "$OUT/$2"
+extend() {  # FROM TO: a copy of a finished shorter run, to go on from its last checkpoint (a resume is exact);
+  # without the shorter run's evaluation, which would stand for the longer one's
+  [[ -d $OUT/$2 || ! -d $OUT/$1 ]] || { cp -r "$OUT/$1" "$OUT/$2" && rm -rf "$OUT/$2/eval"; }
 }
 # The study's seed-0 runs predate the engines' inverse-CDF sampling and hashed seeds (docs/study.md): they share
 # their prompts with these runs, not their sampling numbers. So the reference cell is run again (grpo_t0_d0), and
