@@ -69,6 +69,18 @@ def test_cpu_servers_take_every_core_for_a_compute_bound_model_in_the_synchronou
     assert cpu_server_threads(str(tmp_path), servers, overlap=overlap, cores=cores) == threads
 
 
+def test_the_cores_counted_are_those_this_process_may_use():
+    """`taskset -c 0` (or a container's cpuset) leaves one core: threads are counted from it, not from the machine's
+    count, and a server started from there counts the same (children inherit the affinity)."""
+    code = ("from apmpo.cpu_threads import usable_cores; from apmpo.learner.engine import cpu_threads; "
+            "print(usable_cores(), cpu_threads(usable_cores(), 1, overlap=False))")
+    one = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    assert one.stdout.split() == ["1", "1"]
+    every = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert every.stdout.split()[0] == str(len(os.sched_getaffinity(0)))
+
+
 def test_gpu_devices_without_cuda_are_refused():
     with pytest.raises(ConfigError, match=r"rollout.devices='3' names GPUs, but this learner sees no CUDA device"):
         check_devices(gpu_config("3"), env={}, gpu_count=0)
