@@ -11,6 +11,7 @@ Every figure is in points of pass@1 (variance in points squared). Sources:
 - which checkpoint: the paired sd of scores taken at other steps or averaged over the last ones.
 - training: a GRPO run against the study's seed-0 run (train.seed = data.seed = 0) with one of them changed:
   train.seed (the engine's sampling numbers and the learner's torch seed) or data.seed (the prompts' order).
+- the plateau: the train.seed runs continued to step 60 (the learning rate is constant): does the sd shrink?
 - a rerun: the study's seed-0 APMPO and GRPO runs again for 15 steps; their logged metrics compared number for
   number, and their completions' digests (rollouts.jsonl) with each other: how fast coupled trajectories part.
 """
@@ -127,6 +128,16 @@ def main() -> None:
             print(f"  {fixed}: sd {np.std(values, ddof=1):.1f} over {len(values)} runs")
     study_sd = np.std([g for _, g in score.values()], ddof=1)
     print(f"  for scale: GRPO's sd over the study's 6 seeds (both changed): {study_sd:.1f}")
+    # The plateau: the same runs (data.seed 0, train.seed 0-2) continued to step 60.
+    at = {steps: {t: spread_run(f"grpo_t{t}_d0" + suffix)[1] for t in range(3)}
+          for steps, suffix in ((30, ""), (60, "_60"))}
+    both = [t for t in range(3) if at[30][t] is not None and at[60][t] is not None]
+    if both:
+        print("the plateau (GRPO, data.seed 0): last policy at step 30 -> step 60: "
+              + ", ".join(f"train.seed {t} {at[30][t]:.1f} -> {at[60][t]:.1f}" for t in both))
+    if len(both) >= 2:
+        print(f"  sd over train.seed at step 30 {np.std([at[30][t] for t in both], ddof=1):.1f}, at step 60 "
+              f"{np.std([at[60][t] for t in both], ddof=1):.1f} ({len(both)} runs)")
 
     print("a rerun (15 steps) of the study's GRPO seed 3 (run after the engines' sampling changes):")
     metrics, _ = spread_run("grpo_t3_d3_15")
