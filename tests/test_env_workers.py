@@ -177,6 +177,11 @@ def _gone(marker: str) -> bool:
     return not _processes_with(marker)
 
 
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
 def _marker() -> str:
     return f"3600.{os.getpid()}{next(_markers)}"  # sleep takes seconds with decimals: a name only its processes have
 
@@ -217,6 +222,7 @@ pool.begin(2)
 pool.call_all([(0, "reset", {"answer": "1", "do": "spawn", "marker": alive}),
                (1, "reset", {"answer": "1", "do": "spawn and exit later", "marker": orphaned})], 30.0)
 print(pool.call_all([(0, "step", "1"), (1, "step", "1")], 5.0), flush=True)
+print(*(worker.process.pid for worker in pool._workers), flush=True)
 time.sleep(3600)
 """
 
@@ -225,7 +231,7 @@ time.sleep(3600)
 def test_nothing_an_environment_started_outlives_a_learner_killed_by_sigkill(group):
     """A learner SIGKILLed mid-batch: one worker alive with an environment's child, setsid child and double-forked
     daemon, another that died by itself (os._exit) after starting the same. The forkserver (apmpo/forkserver.py)
-    had adopted the dead worker's processes; it reads EOF from the dead learner, kills its whole tree and exits.
+    has adopted the dead worker's processes; it sees the learner exit, kills its whole tree and exits.
     Before, the workers died by PR_SET_PDEATHSIG alone, and the setsid children and daemons went to init. `kill -9
     -PGID` of the learner's group too: the forkserver has a session of its own."""
     alive, orphaned = _marker(), _marker()
@@ -233,11 +239,13 @@ def test_nothing_an_environment_started_outlives_a_learner_killed_by_sigkill(gro
                                env={**os.environ, "MARKERS": f"{alive} {orphaned}"}, start_new_session=group)
     try:
         assert learner.stdout.readline().count("'ok'") == 2
+        workers = [int(pid) for pid in learner.stdout.readline().split()]
         until = time.monotonic() + 5.0
-        while len(_processes_with(orphaned)) < 3 and time.monotonic() < until:
-            time.sleep(0.05)
-        time.sleep(0.5)  # the second worker's os._exit, 0.2 s after its step answered
+        while all(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < until:
+            time.sleep(0.05)  # the second worker's os._exit, 0.2 s after its step answered
+        [dead] = [pid for pid in workers if not Path(f"/proc/{pid}").exists()]
         assert len(_processes_with(alive)) == 3 and len(_processes_with(orphaned)) == 3
+        assert dead not in {_parent(pid) for pid in _processes_with(orphaned)}  # orphaned indeed
     finally:
         os.killpg(learner.pid, signal.SIGKILL) if group else learner.kill()
         learner.wait()
