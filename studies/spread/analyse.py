@@ -53,20 +53,64 @@ def validation(result: dict) -> dict[int, float]:
     return {step: 100 * value for step, value in result["validation"]}
 
 
+def spread_eval(name: str) -> dict | None:
+    """A spread run's last-policy evaluation on arith_test (results.json's), None before it."""
+    results = RUNS / name / "eval" / "last" / "results.json"
+    return json.loads(results.read_text())["benchmarks"]["arith_test"] if results.is_file() else None
+
+
 def spread_run(name: str) -> tuple[dict[int, dict], float | None]:
     """A spread run's metrics by step and its last-policy pass@1 (points), None before its evaluation."""
     d = RUNS / name
     metrics = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else {}
-    results = d / "eval" / "last" / "results.json"
-    score = 100 * json.loads(results.read_text())["benchmarks"]["arith_test"]["pass@1"]["mean"] \
-        if results.is_file() else None
-    return metrics, score
+    evaluation = spread_eval(name)
+    return metrics, 100 * evaluation["pass@1"]["mean"] if evaluation else None
 
 
 def digests(name: str) -> dict[int, list[int]]:
     path = RUNS / name / "rollouts.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     return {row["step"]: row["crc32"] for row in rows}
+
+
+def training(score: dict[int, tuple[float, float]], ve: float) -> None:
+    """GRPO runs that differ from the reference cell in one thing, and the same runs at the plateau. `score`: the
+    study's (APMPO, GRPO) last-policy pass@1 by seed; `ve`: the mean evaluation variance of one of its runs."""
+    # The reference cell, trained again with today's engine sampling (the study's seed 0 predates it), and scored
+    # on two evaluation seeds: the same policy measured twice.
+    metrics0, grpo0 = spread_run("grpo_t0_d0")
+    if grpo0 is None:
+        return
+    per_seed = [100 * v for v in spread_eval("grpo_t0_d0")["pass@1"]["per_seed"]]  # the mean's two halves
+    print(f"the reference GRPO run (train.seed 0, data.seed 0) again: {grpo0:.1f}; by evaluation seed "
+          + " / ".join(f"{v:.1f}" for v in per_seed) + f" (one policy scored twice: {per_seed[0] - per_seed[1]:+.1f}, "
+          f"predicted sd {np.sqrt(2 * ve):.1f}, the study's runs' mean)")
+    print(f"  the study's seed-0 GRPO, same prompts and order, sampled by the engine before its inverse-CDF "
+          f"sampling and on another machine: {score[0][1]:.1f} ({score[0][1] - grpo0:+.1f}): other sampling numbers")
+    print("training (GRPO, last policy; against the reference run):")
+    for name, what in [("grpo_t1_d0", "train.seed 1"), ("grpo_t2_d0", "train.seed 2"),
+                       ("grpo_t0_d1", "data.seed 1"), ("grpo_t0_d2", "data.seed 2")]:
+        metrics, s = spread_run(name)
+        if s is not None:
+            print(f"  {what}: {s:.1f} (against {grpo0:.1f}: {s - grpo0:+.1f}); step-30 validation "
+                  f"{100 * metrics[30][KEY]:.1f} (against {100 * metrics0[30][KEY]:.1f})")
+    for fixed, names in [("data.seed 0, train.seed 0-2", ["grpo_t1_d0", "grpo_t2_d0"]),
+                         ("train.seed 0, data.seed 0-2", ["grpo_t0_d1", "grpo_t0_d2"])]:
+        values = [grpo0] + [s for s in (spread_run(n)[1] for n in names) if s is not None]
+        if len(values) >= 2:
+            print(f"  {fixed}: sd {np.std(values, ddof=1):.1f} over {len(values)} runs")
+    study_sd = np.std([g for _, g in score.values()], ddof=1)
+    print(f"  for scale: GRPO's sd over the study's 6 seeds (both changed): {study_sd:.1f}")
+    # The plateau: the same runs (data.seed 0, train.seed 0-2) continued to step 60.
+    at = {steps: {t: spread_run(f"grpo_t{t}_d0" + suffix)[1] for t in range(3)}
+          for steps, suffix in ((30, ""), (60, "_60"))}
+    both = [t for t in range(3) if at[30][t] is not None and at[60][t] is not None]
+    if both:
+        print("the plateau (GRPO, data.seed 0): last policy at step 30 -> step 60: "
+              + ", ".join(f"train.seed {t} {at[30][t]:.1f} -> {at[60][t]:.1f}" for t in both))
+    if len(both) >= 2:
+        print(f"  sd over train.seed at step 30 {np.std([at[30][t] for t in both], ddof=1):.1f}, at step 60 "
+              f"{np.std([at[60][t] for t in both], ddof=1):.1f} ({len(both)} runs)")
 
 
 def main() -> None:
@@ -102,42 +146,7 @@ def main() -> None:
     rho = np.corrcoef([a for a, _ in score.values()], [g for _, g in score.values()])[0, 1]
     print(f"the arms' correlation over seeds: {rho:.2f}")
 
-    # The reference cell, trained again with today's engine sampling (the study's seed 0 predates it), and scored
-    # on two evaluation seeds: the same policy measured twice.
-    metrics0, grpo0 = spread_run("grpo_t0_d0")
-    if grpo0 is None:
-        return
-    per_seed = [100 * v for v in json.loads((RUNS / "grpo_t0_d0" / "eval" / "last" / "results.json").read_text())
-                ["benchmarks"]["arith_test"]["pass@1"]["per_seed"]]
-    print(f"the reference GRPO run (train.seed 0, data.seed 0) again: {grpo0:.1f}; by evaluation seed "
-          + " / ".join(f"{v:.1f}" for v in per_seed) + f" (one policy scored twice: {per_seed[0] - per_seed[1]:+.1f}, "
-          f"predicted sd {np.sqrt(2 * ve):.1f}, the study's runs' mean)")
-    print(f"  the study's seed-0 GRPO, same prompts and order, sampled by the engine before its inverse-CDF "
-          f"sampling and on another machine: {score[0][1]:.1f} ({score[0][1] - grpo0:+.1f}): other sampling numbers")
-    print("training (GRPO, last policy; against the reference run):")
-    for name, what in [("grpo_t1_d0", "train.seed 1"), ("grpo_t2_d0", "train.seed 2"),
-                       ("grpo_t0_d1", "data.seed 1"), ("grpo_t0_d2", "data.seed 2")]:
-        metrics, s = spread_run(name)
-        if s is not None:
-            print(f"  {what}: {s:.1f} (against {grpo0:.1f}: {s - grpo0:+.1f}); step-30 validation "
-                  f"{100 * metrics[30][KEY]:.1f} (against {100 * metrics0[30][KEY]:.1f})")
-    for fixed, names in [("data.seed 0, train.seed 0-2", ["grpo_t1_d0", "grpo_t2_d0"]),
-                         ("train.seed 0, data.seed 0-2", ["grpo_t0_d1", "grpo_t0_d2"])]:
-        values = [grpo0] + [s for s in (spread_run(n)[1] for n in names) if s is not None]
-        if len(values) >= 2:
-            print(f"  {fixed}: sd {np.std(values, ddof=1):.1f} over {len(values)} runs")
-    study_sd = np.std([g for _, g in score.values()], ddof=1)
-    print(f"  for scale: GRPO's sd over the study's 6 seeds (both changed): {study_sd:.1f}")
-    # The plateau: the same runs (data.seed 0, train.seed 0-2) continued to step 60.
-    at = {steps: {t: spread_run(f"grpo_t{t}_d0" + suffix)[1] for t in range(3)}
-          for steps, suffix in ((30, ""), (60, "_60"))}
-    both = [t for t in range(3) if at[30][t] is not None and at[60][t] is not None]
-    if both:
-        print("the plateau (GRPO, data.seed 0): last policy at step 30 -> step 60: "
-              + ", ".join(f"train.seed {t} {at[30][t]:.1f} -> {at[60][t]:.1f}" for t in both))
-    if len(both) >= 2:
-        print(f"  sd over train.seed at step 30 {np.std([at[30][t] for t in both], ddof=1):.1f}, at step 60 "
-              f"{np.std([at[60][t] for t in both], ddof=1):.1f} ({len(both)} runs)")
+    training(score, ve)
 
     print("a rerun (15 steps) of the study's GRPO seed 3 (run after the engines' sampling changes):")
     metrics, _ = spread_run("grpo_t3_d3_15")
