@@ -39,20 +39,22 @@ extend() {  # FROM TO: a copy of a finished shorter run, to go on from its last 
 # The study's seed-0 runs predate the engines' inverse-CDF sampling and hashed seeds (docs/study.md): they share
 # their prompts with these runs, not their sampling numbers. So the reference cell is run again (grpo_t0_d0), and
 # the rerun that checks determinism repeats a run made after those changes: the study's GRPO seed 3.
-# The decomposition first (sampling noise against prompt order), then the second pair and the rerun's tail.
+# The decomposition first (sampling noise against prompt order), then the plateau (it decides the design: item 2),
+# then the second pair, more replicates and the rerun's tail.
 run grpo_t0_d0_15 15 "" loss.name=grpo train.seed=0 data.seed=0
 run apmpo_t0_d0_15 15 "" loss.name=apmpo train.seed=0 data.seed=0
 extend grpo_t0_d0_15 grpo_t0_d0 && run grpo_t0_d0 30 0,1 loss.name=grpo train.seed=0 data.seed=0
 run grpo_t1_d0 30 0 loss.name=grpo train.seed=1 data.seed=0
+# The plateau: do runs that differ only in their sampling noise (train.seed) agree more at step 60 than at step 30?
+# The learning rate is constant after its warm-up, so the first 30 steps of a 60-step run are the 30-step run: each
+# goes on from its step-30 checkpoint (a resume is exact).
+plateau() { extend grpo_t${1}_d0 grpo_t${1}_d0_60 && run grpo_t${1}_d0_60 60 0 loss.name=grpo train.seed=$1 data.seed=0; }
+plateau 0
+plateau 1
 run grpo_t0_d1 30 0 loss.name=grpo train.seed=0 data.seed=1
 extend apmpo_t0_d0_15 apmpo_t0_d0 && run apmpo_t0_d0 30 0 loss.name=apmpo train.seed=0 data.seed=0
 run grpo_t2_d0 30 0 loss.name=grpo train.seed=2 data.seed=0
+plateau 2
 run grpo_t0_d2 30 0 loss.name=grpo train.seed=0 data.seed=2
-# The plateau (the design, item 2): do runs that differ only in their sampling noise (train.seed 0-2) agree more at
-# step 60 than at step 30? The learning rate is constant after its warm-up, so the first 30 steps of a 60-step run
-# are the 30-step run: each goes on from its step-30 checkpoint (a resume is exact).
-for t in 0 1 2; do
-  extend grpo_t${t}_d0 grpo_t${t}_d0_60 && run grpo_t${t}_d0_60 60 0 loss.name=grpo train.seed=$t data.seed=0
-done
 run grpo_t3_d3_15 15 "" loss.name=grpo train.seed=3 data.seed=3
 echo "[spread] queue done"
