@@ -160,7 +160,7 @@ def sampled_batch(model, tokenizer, prompts: int, group: int, max_new_tokens: in
     """`prompts` arith_train problems x `group` completions sampled at temperature 0.7, as Rollouts with advantages,
     and their rewards [prompts, group]."""
     from apmpo.data import build_messages, load_records
-    from apmpo.learner.batching import Rollout
+    from apmpo.trajectory import Rollout
     from apmpo.loss import group_advantages
     from apmpo.rewards import math_reward
 

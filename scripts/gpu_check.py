@@ -265,7 +265,7 @@ def check_learner(s: Shapes, gradient_checkpointing: bool, communication_data_ty
     fp16 with dynamic loss scaling, whose skipped steps (the scale's search) are reported, not failed."""
     _require_deepspeed()
     from apmpo.config import Config, ModelConfig, RolloutConfig, TrainConfig
-    from apmpo.learner.batching import Rollout
+    from apmpo.trajectory import Rollout
     from apmpo.learner.zero3 import full_shape
     from apmpo.learner.engine import (build_engine, init_distributed, load_model, loss_scale_metrics,
                                       partition_reference)

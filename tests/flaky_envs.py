@@ -60,7 +60,7 @@ class Abstract(RevealEnv, abc.ABC):
         ...
 
 
-# --- for tests/test_env_workers.py and test_envs.py ----------------------------------------------------------
+# --- for tests/test_env_workers.py, test_envs.py and test_trajectory.py ------------------------------------------
 
 
 class EndsAtOnce:
@@ -71,6 +71,17 @@ class EndsAtOnce:
 
     def step(self, action):
         return "", 1.0, True
+
+
+class NeverEnds:
+    """Answers every turn and never ends an episode: it runs out of turns, each scored by the sample's "reward"."""
+
+    def reset(self, sample):
+        self.sample = sample
+        return "start"
+
+    def step(self, action):
+        return "go on", self.sample["reward"], False
 
 
 def _refuse():

@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from apmpo.config import load_config  # noqa: E402
 from apmpo.learner import lora  # noqa: E402
-from apmpo.learner.batching import Rollout, plan_step  # noqa: E402
+from apmpo.learner.batching import plan_step  # noqa: E402
+from apmpo.trajectory import Rollout  # noqa: E402
 from apmpo.learner.engine import build_engine, close_distributed, init_distributed  # noqa: E402
 from apmpo.learner.logprobs import shares_prompts  # noqa: E402
 from apmpo.learner.step import train_on_batch  # noqa: E402

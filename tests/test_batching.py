@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from apmpo.learner.batching import Rollout, collate, equalize, plan_step, shard_by_tokens, split_by_budget
+from apmpo.trajectory import Rollout
+from apmpo.learner.batching import collate, equalize, plan_step, shard_by_tokens, split_by_budget
 
 
 def rollouts(lengths, group_size=4):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from apmpo.config import ConfigError, CorrectionConfig, load_config
-from apmpo.learner.batching import Rollout, collate
+from apmpo.learner.batching import collate
+from apmpo.trajectory import Rollout
 from apmpo.learner.update import StepTotals, importance_weights, rollout_correction
 
 LN = math.log

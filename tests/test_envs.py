@@ -19,7 +19,8 @@ from apmpo.envs.chat import TemplateError, Transcript
 from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner
 from apmpo.envs.workers import check_step
 from apmpo.envs.reveal import RevealEnv
-from apmpo.learner.batching import Rollout, collate, plan_step
+from apmpo.learner.batching import collate, plan_step
+from apmpo.trajectory import Rollout
 from apmpo.learner.logprobs import token_logprobs
 from apmpo.learner.update import importance_weights
 from apmpo.loss import POLICY_LOSSES, LossConfig, adaptive_params, policy_loss

@@ -74,12 +74,12 @@ def test_turn_two_prompt_is_turn_one_prompt_sampled_and_environment_ids(server):
             closing = "" if turn_one[-1] == tok.eos_token_id else "<|im_end|>"  # turn one cut by max_tokens
             assert tok.decode(env_ids) == f"{closing}\n<|im_start|>user\n{sample['answer']}<|im_end|>\n" \
                                           "<|im_start|>assistant\n"
-            assert all(e.sampled[second_turn:]) and e.logprobs[first_turn:second_turn] == [0.0] * len(env_ids)
+            assert all(e.sampled[second_turn:]) and e.engine_logprobs[first_turn:second_turn] == [0.0] * len(env_ids)
             # The server, asked for turn two alone on exactly these ids with its seed, draws it again.
             (again,), = client.generate([prompt + turn_one + env_ids], SAMPLING, n=1,
                                         seeds=[seeding.turn_seed(FIRST + 1000 * sample["index"], 0, 2, 1)])
             assert again.token_ids == e.completion_ids[second_turn:]
-            assert again.logprobs == pytest.approx(e.logprobs[second_turn:], abs=1e-5)
+            assert again.logprobs == pytest.approx(e.engine_logprobs[second_turn:], abs=1e-5)
             text = tok.decode(e.completion_ids[second_turn:], skip_special_tokens=True)
             assert e.reward == float(text.lstrip()[:1] != "" and text.lstrip()[:1] in sample["answer"])
     # Another subset of the episodes, in another order, plays each the same: seeds are per episode and turn.

@@ -10,7 +10,8 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from apmpo.data import load_records
 from apmpo.data.vision import NEVER_SAMPLE_BIAS, VisionInputs, placeholder_token_ids
-from apmpo.learner.batching import Rollout, collate
+from apmpo.learner.batching import collate
+from apmpo.trajectory import Rollout
 from apmpo.learner.logprobs import token_logprobs
 from apmpo.sampling import Sampling
 from apmpo.tiny import save_synthetic_diagrams, save_tiny_vl_model

@@ -5,7 +5,8 @@ environment answers its own turn, until every episode is done or out of turns or
                            max_prompt_tokens=64, max_model_len=128, timeout_s=10.0))   # or .from_config(cfg, ...)
     episodes, summary = runner.run(client, samples, seed_of=lambda episode, turn: ..., sampling=sampling)
 
-An Episode holds what the learner trains on (module docstring of apmpo.envs); `summary` (an EpisodeSummary) counts
+Each episode comes back as an apmpo.trajectory.Rollout, what the learner trains on (module docstring of
+apmpo.envs), with its text and, if the environment failed it, its error; `summary` (an EpisodeSummary) counts
 the environment's failures as RewardPool.score counts a reward's (errors, timeouts, their total failures,
 first_error) and adds the seconds spent generating and in the environment, and the turns played.
 
@@ -23,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from apmpo.envs import get_env
 from apmpo.envs.chat import TemplateError, Transcript
 from apmpo.envs.workers import EnvWorkers
 from apmpo.rewards.batch import RewardSummary
+from apmpo.trajectory import Rollout
 
 if TYPE_CHECKING:
     from apmpo.sampling import Sampling  # not at run time: it would import the client, and torch
@@ -52,27 +54,6 @@ class EpisodeSummary(RewardSummary):
     turns: int = 0  # policy turns played, over all episodes
     generate_seconds: float = 0.0
     env_seconds: float = 0.0
-
-
-@dataclass
-class Episode:
-    """One played episode. completion_ids follow prompt_ids: each turn's sampled ids and the environment's ids."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int] = field(default_factory=list)
-    sampled: list[bool] = field(default_factory=list)  # per completion token: True where the policy sampled it
-    logprobs: list[float] = field(default_factory=list)  # the engine's, per completion token (0.0 where not sampled)
-    weight_versions: list[int] = field(default_factory=list)  # of the weights that sampled each turn
-    reward: float = 0.0  # the last reward `step` returned; 0.0 if none, or if the environment failed
-    # "stop" (the environment ended it), "length" (out of turns or tokens, or its last turn was cut at a token limit
-    # without its stop token, whatever the environment said) or "error"
-    finish_reason: str | None = None
-    text: str = ""  # the completion as text: decoded sampled ids and rendered environment messages
-    error: str | None = None
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(self.sampled)
 
 
 class EpisodeRunner:
@@ -101,14 +82,14 @@ class EpisodeRunner:
                    cfg.rollout.env_workers, cfg.rollout.env_memory_mb)
 
     def run(self, client, samples: Sequence[dict], seed_of: Callable[[int, int], int], sampling: Sampling,
-            deadline: float | None = None) -> tuple[list[Episode], EpisodeSummary]:
+            deadline: float | None = None) -> tuple[list[Rollout], EpisodeSummary]:
         """Plays one episode per sample (repeat a sample for several). `seed_of(episode, turn)`: the engine seed of
         that turn (apmpo.seeding.turn_seed); `sampling`: each turn's, its max_tokens lowered to the room left.
         Raises TemplateError when the chat template cannot be extended by appending (apmpo.envs.chat)."""
         start = time.monotonic()
         summary = {"errors": 0, "timeouts": 0, "crashes": 0, "first_error": None, "turns": 0,
                    "generate_seconds": 0.0, "env_seconds": 0.0}  # the EpisodeSummary's, as they come
-        episodes = [Episode([]) for _ in samples]
+        episodes = [Rollout([], [], [], None, sampled=[]) for _ in samples]
         self.workers.begin(len(samples))
         try:
             self._play(client, samples, seed_of, sampling, deadline, episodes, summary)
@@ -180,7 +161,7 @@ class EpisodeRunner:
                 actions.append(chats[k].add_sampled(ids, sampling.stop_token_ids))
                 episode.completion_ids += ids
                 episode.sampled += [True] * len(ids)
-                episode.logprobs += list(out.logprobs[:room])
+                episode.engine_logprobs += list(out.logprobs[:room])
                 episode.weight_versions.append(out.weight_version)
 
             tick = time.perf_counter()
@@ -213,4 +194,4 @@ class EpisodeRunner:
                     continue
                 episode.completion_ids += env_ids
                 episode.sampled += [False] * len(env_ids)
-                episode.logprobs += [0.0] * len(env_ids)
+                episode.engine_logprobs += [0.0] * len(env_ids)

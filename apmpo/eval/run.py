@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from apmpo import seeding
 from apmpo.data import BUILTIN, build_messages, encode_prompt, load_records
+from apmpo.trajectory import play
 
 if TYPE_CHECKING:  # light at run time: the config imports this module to check eval.benchmarks
-    from apmpo.rewards import RewardSummary
     from apmpo.sampling import Sampling
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -238,43 +238,21 @@ def generate_benchmark(client, benchmark: Benchmark, prompt_ids: list[list[int]]
     its row's completion is the episode's text after the first prompt, num_tokens its sampled tokens."""
     todo = missing_problems(store, benchmark.name, len(benchmark.records), seed, n)
     counts = {"prompts": 0, "samples": 0, "reward_failures": 0}
+    T = episodes.limits.max_turns if episodes else 1
     for chunk in contiguous_chunks(todo, batch_prompts):
-        if episodes is None:
-            played, summary = _complete(client, benchmark, prompt_ids, chunk, seed, n, sampling, store, score)
-        else:
-            played, summary = _play(episodes, client, benchmark, chunk, seed, n, sampling, store)
+        wanted = [(i, j) for i in chunk for j in range(n) if (benchmark.name, i, seed, j) not in store]
+        played, summary, _ = play(
+            client, [prompt_ids[i] for i in chunk], [benchmark.records[i] for i in chunk], n,
+            seeding.eval_request_seed(seed, chunk[0], n * T, len(chunk)), sampling,
+            score=lambda texts, records: score(benchmark.reward, texts, records), episodes=episodes,
+            keep=lambda k, j, chunk=chunk, wanted=set(wanted): (chunk[k], j) in wanted)
         store.add([{
             "benchmark": benchmark.name, "index": i, "seed": seed, "sample": j, "id": benchmark.records[i]["id"],
-            "completion": text, "answer": benchmark.records[i]["answer"], "correct": reward >= 1.0,
-            "reward": reward, "num_tokens": num_tokens, "finish_reason": finish_reason,
-        } for i, j, text, reward, num_tokens, finish_reason in played])
+            "completion": r.text, "answer": benchmark.records[i]["answer"], "correct": r.reward >= 1.0,
+            "reward": r.reward, "num_tokens": r.num_sampled, "finish_reason": r.finish_reason,
+        } for (i, j), r in zip(wanted, played)])
         counts["prompts"] += len(chunk)
         counts["samples"] += len(played)
         counts["reward_failures"] += summary.failures
         on_done(len(chunk))
     return counts
-
-
-def _complete(client, benchmark: Benchmark, prompt_ids: list[list[int]], chunk: list[int], seed: int, n: int,
-              sampling: Sampling, store: SampleStore, score: Callable) -> tuple[list[tuple], RewardSummary]:
-    """The chunk's missing single-turn samples, scored: (index, sample, text, reward, tokens, finish reason)."""
-    outputs = client.generate([prompt_ids[i] for i in chunk], sampling, n=n,
-                              seed=seeding.eval_request_seed(seed, chunk[0], n, len(chunk)))
-    todo = [(i, j, out) for i, outs in zip(chunk, outputs) for j, out in enumerate(outs)
-            if (benchmark.name, i, seed, j) not in store]
-    scores, summary = score(benchmark.reward, [out.text for _, _, out in todo], [benchmark.records[i] for i, _, _ in todo])
-    return [(i, j, out.text, reward, len(out.token_ids), out.finish_reason)
-            for (i, j, out), reward in zip(todo, scores)], summary
-
-
-def _play(episodes, client, benchmark: Benchmark, chunk: list[int], seed: int, n: int, sampling: Sampling,
-          store: SampleStore) -> tuple[list[tuple], RewardSummary]:
-    """The chunk's missing samples as episodes. Turn t of sample j of problem i draws with the seed of sample
-    j * max_turns + t of the problem's n * max_turns (apmpo.seeding.turn_seed): it depends on nothing else."""
-    todo = [(i, j) for i in chunk for j in range(n) if (benchmark.name, i, seed, j) not in store]
-    T = episodes.limits.max_turns
-    played, summary = episodes.run(
-        client, [benchmark.records[i] for i, _ in todo],
-        lambda e, t: seeding.turn_seed(seeding.eval_request_seed(seed, todo[e][0], n * T, 1), todo[e][1], T, t),
-        sampling)
-    return [(i, j, e.text, e.reward, e.num_sampled, e.finish_reason) for (i, j), e in zip(todo, played)], summary

@@ -21,42 +21,13 @@ from torch import Tensor
 
 from apmpo.learner.logprobs import pack
 from apmpo.loss import AdaptiveParams
+from apmpo.trajectory import Rollout
 
 # What one more micro-batch costs, in padded tokens: in the quickstart model's log-probs and update (reference
 # forward, forward, backward), 128 rows of 54 tokens took 0.147 s in one micro-batch, 0.177 s in four and 0.264 s
 # in eight: 10-20 ms each, 500-900 tokens at the 21 us a token costs. Below this, fewer padded tokens are not worth
 # another micro-batch; the budget still bounds memory.
 MICRO_BATCH_OVERHEAD_TOKENS = 512
-
-
-@dataclass
-class Rollout:
-    """One sampled completion of one prompt, or one multi-turn episode (apmpo.envs): then the completion holds each
-    turn's sampled ids and the environment's ids between them, and `sampled` tells them apart."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    engine_logprobs: list[float]  # the generation engine's log-prob of each completion token (0.0 where not sampled)
-    finish_reason: str  # "stop" | "length" (episodes: "error" too, when the environment failed)
-    group: int  # index of its prompt in the step's batch
-    reward: float = 0.0
-    advantage: float = 0.0
-    # Vision-language prompts (apmpo.data.vision.VisionInputs.model_inputs), else None: pixel_values [P, D],
-    # image_grid_thw [I, 3], mm_token_type_ids [len(prompt_ids)]. prompt_ids then holds the expanded image pads.
-    mm: dict[str, Tensor] | None = None
-    # Per completion token, True where the policy sampled it: the only tokens the loss sees (an episode's environment
-    # tokens are context, never trained on). None: every completion token was sampled.
-    sampled: list[bool] | None = None
-    weight_versions: list[int] = field(default_factory=list)  # of the server weights that sampled each turn
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.completion_ids)
-
-    @property
-    def num_sampled(self) -> int:
-        """The completion tokens the loss sees."""
-        return len(self.completion_ids) if self.sampled is None else sum(self.sampled)
 
 
 @dataclass

@@ -20,10 +20,11 @@ from apmpo.config import RolloutConfig
 from apmpo.data.vision import VisionInputs
 from apmpo import seeding
 from apmpo.envs.episodes import EpisodeRunner
-from apmpo.learner.batching import Rollout, StepRollouts
+from apmpo.learner.batching import StepRollouts
 from apmpo.loss import LossConfig, adaptive_params, advantages_for
 from apmpo.rewards import RewardSummary
 from apmpo.sampling import Sampling
+from apmpo.trajectory import Rollout, play
 
 # completions, samples, deadline=, max_failures= -> (rewards, summary): apmpo.rewards.RewardPool.score with the
 # reward bound; crashes and time-outs are scored 0 and counted in the RewardSummary.
@@ -84,8 +85,6 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     reward (`score` is not used): failed environment calls count as failed rewards. Each environment call is bounded
     by the runner's timeout (max_turns + 1 calls per episode, an episode's calls in turn, all at once; and, for an
     episode rebuilt on another worker after a neighbour's failure, its calls so far, replayed, each bounded alike)."""
-    if episodes is not None and vision is not None:
-        raise ValueError("multi-turn episodes (data.env) do not take images yet")
     B, G = cfg.prompts_per_step, cfg.group_size
     times = {"generate": 0.0, "reward": 0.0, **({"env": 0.0} if episodes else {})}
     sampler_before = sampler.state_dict()
@@ -95,23 +94,19 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     last_round: list[list[Rollout]] = []
     while len(kept) < B and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         chosen = sampler.take(B)
-        if episodes is None:
-            # Past this many failures, the check below stops the run whatever the other items score.
-            tolerable = math.floor(MAX_FAILED_FRAC * (len(raw_rewards) + len(chosen) * G)) - failures
-            flat, summary = _complete(client, chosen, prompt_ids, samples, score, cfg, times,
-                                      seed=seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G),
-                                      sampling=sampling, vision=vision, max_failures=tolerable)
-        else:
-            T = episodes.limits.max_turns
-            first = seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G * T)
-            played, summary = episodes.run(client, [samples[i] for i in chosen for _ in range(G)],
-                                           lambda e, t, first=first, T=T: seeding.turn_seed(first, e, T, t),
-                                           sampling)
-            times["generate"] += summary.generate_seconds
-            times["env"] += summary.env_seconds
-            turns += summary.turns
-            flat = [Rollout(e.prompt_ids, e.completion_ids, e.logprobs, e.finish_reason, group=-1, reward=e.reward,
-                            sampled=e.sampled, weight_versions=e.weight_versions) for e in played]
+        # Past this many failures, the check below stops the run whatever the other items score.
+        tolerable = math.floor(MAX_FAILED_FRAC * (len(raw_rewards) + len(chosen) * G)) - failures
+        T = episodes.limits.max_turns if episodes else 1
+        flat, summary, spent = play(
+            client, [prompt_ids[i] for i in chosen], [samples[i] for i in chosen], G,
+            seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G * T), sampling,
+            score=lambda texts, records, tolerable=tolerable: score(
+                texts, records, deadline=time.monotonic() + cfg.reward_step_timeout_s - times["reward"],
+                max_failures=tolerable),
+            episodes=episodes, vision=vision)
+        for phase, seconds in spent.items():
+            times[phase] += seconds
+        turns += summary.turns if episodes else 0
         raw_rewards += [r.reward for r in flat]
         failures += summary.failures
         first_error = first_error or summary.first_error
@@ -160,31 +155,6 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
     if episodes is not None:  # response/length_mean counts the sampled tokens; these, the whole episode
         metrics |= {"episode/turns_mean": turns / len(lengths), "episode/tokens_mean": sum(episode_tokens) / len(episode_tokens)}
     return StepRollouts(rollouts, rewards, params, metrics, times, min(versions, default=-1), sampler_before)
-
-
-def _complete(client, chosen: list[int], prompt_ids: list[list[int]], samples: list[dict], score: ScoreFn,
-              cfg: RolloutConfig, times: dict[str, float], *, seed: int, sampling: Sampling,
-              vision: VisionInputs | None, max_failures: int) -> tuple[list[Rollout], RewardSummary]:
-    """One round of single-turn completions: G per chosen prompt, generated and scored (prompt-major order)."""
-    G = cfg.group_size
-    tick = time.perf_counter()
-    images = [vision.image_bytes(samples[i]) for i in chosen] if vision else None
-    outputs = client.generate([prompt_ids[i] for i in chosen], sampling, n=G, seed=seed, images=images)
-    times["generate"] += time.perf_counter() - tick
-    tick = time.perf_counter()
-    flat = [(i, out) for i, outs in zip(chosen, outputs) for out in outs]
-    rewards, summary = score([out.text for _, out in flat], [samples[i] for i, _ in flat],
-                             deadline=time.monotonic() + cfg.reward_step_timeout_s - times["reward"],
-                             max_failures=max_failures)
-    times["reward"] += time.perf_counter() - tick
-    rollouts = []
-    for g, i in enumerate(chosen):
-        prompt, mm = vision.model_inputs(samples[i], prompt_ids[i]) if vision else (prompt_ids[i], {})
-        for j in range(G):
-            out = flat[g * G + j][1]
-            rollouts.append(Rollout(prompt, list(out.token_ids), list(out.logprobs), out.finish_reason, group=-1,
-                                    reward=rewards[g * G + j], mm=mm or None, weight_versions=[out.weight_version]))
-    return rollouts, summary
 
 
 class RolloutStream:

@@ -30,7 +30,7 @@ from apmpo.data import stop_token_ids
 from apmpo.envs.episodes import EpisodeRunner
 from apmpo.eval.validate import Validation
 from apmpo.learner import lora
-from apmpo.learner.batching import Rollout
+from apmpo.trajectory import Rollout
 from apmpo.learner.checkpoint import save_best
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
 from apmpo.learner.engine import check_devices
@@ -100,7 +100,8 @@ class Driver(contextlib.ExitStack):
         if start_step > 0 or r.url or r.urls:  # the servers must generate with the weights we train
             self.push(weights)
         self.logger = self.enter_context(contextlib.closing(MetricsLogger(cfg, start_step)))
-        drop_steps_after(cfg.run_dir / "rollouts.jsonl", start_step)  # as the metrics: a step's digests once
+        self.digests_path = cfg.run_dir / "rollouts.jsonl"
+        drop_steps_after(self.digests_path, start_step)  # as the metrics: a step's digests once
         sampling = cfg.rollout.sampling(stop_token_ids(self.model_path, tokenizer))  # stops as in evaluation
         episodes = EpisodeRunner.from_config(cfg, tokenizer)  # data.env: multi-turn episodes, else None
         if episodes is not None:
@@ -123,11 +124,11 @@ class Driver(contextlib.ExitStack):
         return Batch(batch.rollouts, batch.params, batch.metrics | staleness, times)
 
     def _log_digests(self, step: int, rollouts: list[Rollout]) -> None:
-        """One line of RUN_DIR/rollouts.jsonl: a CRC-32 of each trained completion's token ids, in batch order. Two runs
+        """One line of the digests file (RUN_DIR/rollouts.jsonl): a CRC-32 of each trained completion's token ids, in batch order. Two runs
         that share their seeds (a study's methods) sample with the same random numbers, so comparing their lines
         shows the step at which their trajectories part (studies/spread/analyse.py)."""
         digests = [zlib.crc32(bytes(memoryview(array("i", r.completion_ids)))) for r in rollouts]
-        with open(self.cfg.run_dir / "rollouts.jsonl", "a", encoding="utf-8") as f:
+        with open(self.digests_path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "crc32": digests}) + "\n")
 
     def push(self, weights: WholeWeights) -> dict[str, float]:

@@ -10,7 +10,8 @@ import torch
 
 from apmpo.config import Config
 from apmpo.learner import lora
-from apmpo.learner.batching import Rollout, collate, plan_step
+from apmpo.learner.batching import collate, plan_step
+from apmpo.trajectory import Rollout
 from apmpo.learner.engine import Dist, start_micro_batch
 from apmpo.learner.logprobs import shares_prompts
 from apmpo.learner.update import StepTotals, logprobs, rollout_correction
