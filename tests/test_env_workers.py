@@ -171,7 +171,7 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def _gone(marker: str) -> bool:
-    until = time.monotonic() + 5.0
+    until = time.monotonic() + 10.0  # the probe's bound; a loaded machine (CI's two busy cores) takes seconds
     while _processes_with(marker) and time.monotonic() < until:  # SIGKILL is not instant
         time.sleep(0.05)
     return not _processes_with(marker)
@@ -221,7 +221,7 @@ pool = EnvWorkers(flaky_envs.Hostile, 2, 1000)
 pool.begin(2)
 pool.call_all([(0, "reset", {"answer": "1", "do": "spawn", "marker": alive}),
                (1, "reset", {"answer": "1", "do": "spawn and exit later", "marker": orphaned})], 30.0)
-print(pool.call_all([(0, "step", "1"), (1, "step", "1")], 5.0), flush=True)
+print(pool.call_all([(0, "step", "1"), (1, "step", "1")], 30.0), flush=True)
 print(*(worker.process.pid for worker in pool._workers), flush=True)
 time.sleep(3600)
 """
@@ -240,7 +240,7 @@ def test_nothing_an_environment_started_outlives_a_learner_killed_by_sigkill(gro
     try:
         assert learner.stdout.readline().count("'ok'") == 2
         workers = [int(pid) for pid in learner.stdout.readline().split()]
-        until = time.monotonic() + 5.0
+        until = time.monotonic() + 30.0
         while all(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < until:
             time.sleep(0.05)  # the second worker's os._exit, 0.2 s after its step answered
         [dead] = [pid for pid in workers if not Path(f"/proc/{pid}").exists()]
