@@ -74,6 +74,30 @@ def test_validation_auc_is_the_mean_score_over_training():
     assert report.validation_auc([]) is None
 
 
+def test_validation_tail_is_the_mean_over_the_second_half_of_training():
+    # the last step is 60: the points past step 30, by hand (0.7 + 0.5 + 0.6) / 3; step 30 itself is the first half's
+    curve = [(30, 0.9), (10, 0.1), (60, 0.6), (40, 0.7), (50, 0.5), (20, 0.3)]
+    assert report.validation_tail(curve) == pytest.approx(0.6)
+    assert report.validation_tail([(5, 0.4)]) == 0.4
+    assert report.validation_tail([]) is None
+
+
+def test_a_plan_on_the_tail_scores_each_pair_by_its_curves_second_half(tmp_path, capsys):
+    """Seeds whose last policies differ by +1, -2 and +4 points (sd 3: 12 seeds on "last") but whose second halves
+    differ by +1, +2 and +3 points (mean +2, sd 1)."""
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"apmpo": ("loss.name=apmpo",)}, None)
+    for seed, (a, g) in enumerate([(80, 79), (70, 72), (61, 57)]):
+        for method, points, tail in (("apmpo", a, 0.5 + (seed + 1) / 100), ("grpo", g, 0.5)):
+            curve = ((5, 0.9), (10, tail - 0.1), (15, tail + 0.1))  # steps past 5 (half of 10): mean `tail`
+            write_run(tmp_path, fake_result(method, seed, [1] * points + [0] * (100 - points), n=1, validation=curve))
+    assert main(["--out", str(tmp_path), "--plan", "--halfwidth", "2", "--methods", "apmpo"]) == 0
+    assert "sd of the paired difference 3.0" in capsys.readouterr().out
+    assert main(["--out", str(tmp_path), "--plan", "--halfwidth", "2", "--methods", "apmpo", "--score", "tail"]) == 0
+    out = capsys.readouterr().out
+    assert "on tail: +2.0 points" in out and "sd of the paired difference 1.0" in out
+    assert "--score tail --halfwidth 2" in out
+
+
 def test_iqm_trims_a_quarter_at_each_end():
     assert report.iqm([4.0, 1.0, 3.0, 2.0]) == 2.5  # (2 + 3) / 2
     assert report.iqm([1.0, 2.0, 30.0]) == 11.0  # fewer than 4 runs: nothing trimmed, the mean

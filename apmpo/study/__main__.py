@@ -683,7 +683,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --plan: the target; with a study: fix its question (--methods M,REF, --reference, "
                         "--score, --seeds) in study.json before its first run")
     p.add_argument("--score", choices=records.SCORES, default="last",
-                   help="the question's score: the last policy's pass@1, or the validation curve's mean (auc)")
+                   help="the question's score: the last policy's pass@1, the validation curve's mean (auc), or "
+                        "its second half's mean (tail: the plateau's level, docs/study.md)")
     args = p.parse_args(argv)
     try:
         args.seeds = [seed for part in args.seeds.split(",") if part.strip() for seed in _seed_range(part)]

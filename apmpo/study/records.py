@@ -67,7 +67,8 @@ class Record(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
-SCORES = ("last", "auc")  # the last policy's pass@1 (mean over benchmarks), the validation curve's mean
+# the last policy's pass@1 (mean over benchmarks), the validation curve's mean, its second half's mean
+SCORES = ("last", "auc", "tail")
 
 
 class Plan(Record):

@@ -111,6 +111,19 @@ def training(score: dict[int, tuple[float, float]], ve: float) -> None:
     if len(both) >= 2:
         print(f"  sd over train.seed at step 30 {np.std([at[30][t] for t in both], ddof=1):.1f}, at step 60 "
               f"{np.std([at[60][t] for t in both], ddof=1):.1f} ({len(both)} runs)")
+    # At the plateau a run's policy still moves between checkpoints (the entropy is near 0 by step 30): the mean of
+    # its validations over steps 35-60 is another score, at no cost beyond the 60 steps.
+    tails = {}
+    for t in range(3):
+        metrics = spread_run(f"grpo_t{t}_d0_60")[0]
+        if 60 in metrics:
+            tails[t] = [100 * metrics[s][KEY] for s in range(35, 61, 5)]
+            print(f"  train.seed {t}: validation at steps 35-60 " + " ".join(f"{v:.1f}" for v in tails[t])
+                  + f": mean {np.mean(tails[t]):.1f}, sd between checkpoints {np.std(tails[t], ddof=1):.1f}; "
+                  f"entropy at steps 30 / 60: {metrics[30]['policy/entropy']:.3f} / {metrics[60]['policy/entropy']:.3f}")
+    if len(tails) >= 2:
+        print(f"  sd over train.seed of the validation's mean over steps 35-60: "
+              f"{np.std([np.mean(v) for v in tails.values()], ddof=1):.1f} ({len(tails)} runs)")
 
 
 def main() -> None:
