@@ -118,9 +118,13 @@ def training(score: dict[int, tuple[float, float]], ve: float) -> None:
         metrics = spread_run(f"grpo_t{t}_d0_60")[0]
         if 60 in metrics:
             tails[t] = [100 * metrics[s][KEY] for s in range(35, 61, 5)]
+            # a step whose groups all have equal rewards has no gradient, and no policy/ metrics
+            entropy = [metrics[s]["policy/entropy"] for s in range(31, 61) if "policy/entropy" in metrics[s]]
+            uniform = sum(metrics[s]["rollout/informative_groups_frac"] == 0 for s in range(31, 61))
             print(f"  train.seed {t}: validation at steps 35-60 " + " ".join(f"{v:.1f}" for v in tails[t])
                   + f": mean {np.mean(tails[t]):.1f}, sd between checkpoints {np.std(tails[t], ddof=1):.1f}; "
-                  f"entropy at steps 30 / 60: {metrics[30]['policy/entropy']:.3f} / {metrics[60]['policy/entropy']:.3f}")
+                  f"entropy {metrics[30]['policy/entropy']:.3f} at step 30, {np.mean(entropy):.3f} over steps "
+                  f"31-60; {uniform} of those 30 steps without a gradient (every group's rewards equal)")
     if len(tails) >= 2:
         print(f"  sd over train.seed of the validation's mean over steps 35-60: "
               f"{np.std([np.mean(v) for v in tails.values()], ddof=1):.1f} ({len(tails)} runs)")
