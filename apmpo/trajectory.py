@@ -36,9 +36,12 @@ class Rollout:
     prompt_ids: list[int]
     completion_ids: list[int]
     engine_logprobs: list[float]  # the generation engine's log-prob of each completion token (0.0 where not sampled)
-    finish_reason: str | None  # "stop" | "length" (episodes: "error" too, when the environment failed)
+    # "stop" (a stop token; an episode: the environment ended it) | "length" (a token limit; an episode: out of turns
+    # or tokens, or its last turn cut without its stop token, whatever the environment said) | "error" (an episode
+    # the environment failed); None while an episode is played
+    finish_reason: str | None
     group: int = -1  # index of its prompt in the step's batch (set by the learner's collect)
-    reward: float = 0.0
+    reward: float = 0.0  # an episode's: the last one its environment's step returned, 0.0 if none or if it failed
     advantage: float = 0.0
     # Vision-language prompts (apmpo.data.vision.VisionInputs.model_inputs), else None: pixel_values [P, D],
     # image_grid_thw [I, 3], mm_token_type_ids [len(prompt_ids)]. prompt_ids then holds the expanded image pads.
