@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from apmpo.seeding import turn_seed
+
 if TYPE_CHECKING:  # not at run time: the environments' side imports this module and stays free of torch
     from torch import Tensor
 
@@ -79,7 +81,8 @@ def play(client, prompt_ids: list[list[int]], records: list[dict], n: int, first
         T = episodes.limits.max_turns
         wanted = [(k, j) for k in range(len(records)) for j in range(n) if keep(k, j)]
         played, summary = episodes.run(client, [records[k] for k, _ in wanted],
-                                       lambda e, t: first_seed + (wanted[e][0] * n + wanted[e][1]) * T + t, sampling)
+                                       lambda e, t: turn_seed(first_seed, wanted[e][0] * n + wanted[e][1], T, t),
+                                       sampling)
         return played, summary, {"generate": summary.generate_seconds, "env": summary.env_seconds}
     tick = time.perf_counter()
     images = [vision.image_bytes(record) for record in records] if vision else None
