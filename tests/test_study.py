@@ -91,7 +91,12 @@ def test_a_plan_on_the_tail_scores_each_pair_by_its_curves_second_half(tmp_path,
             curve = ((5, 0.9), (10, tail - 0.1), (15, tail + 0.1))  # steps past 5 (half of 10): mean `tail`
             write_run(tmp_path, fake_result(method, seed, [1] * points + [0] * (100 - points), n=1, validation=curve))
     assert main(["--out", str(tmp_path), "--plan", "--halfwidth", "2", "--methods", "apmpo"]) == 0
-    assert "sd of the paired difference 3.0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "sd of the paired difference 3.0" in out
+    # the other scores of the same pairs, to choose the question's score by its cost: the tail's sd 1 needs 4
+    # seeds (t(3) 3.18 / 2 = 1.59 <= 2; t(2) 4.30 / 1.73 = 2.48 > 2); the AUC differs by 0.75 (seed + 1) points
+    # (trapezoids: 0.2 + 0.75 tail), sd 0.75: 3 seeds (4.30 x 0.75 / 1.73 = 1.86)
+    assert "--score tail instead: sd 1.0, 4 seeds" in out and "--score auc instead: sd 0.8, 3 seeds" in out
     assert main(["--out", str(tmp_path), "--plan", "--halfwidth", "2", "--methods", "apmpo", "--score", "tail"]) == 0
     out = capsys.readouterr().out
     assert "on tail: +2.0 points" in out and "sd of the paired difference 1.0" in out

@@ -625,10 +625,14 @@ def print_plan(out: Path, args: argparse.Namespace) -> None:
     if len(seeds) < 2:
         raise StudyError(f"--plan needs at least 2 finished pairs of {method} and {args.reference} in {out}; it has "
                          f"{len(seeds)}: run a pilot first (e.g. --methods {method},{args.reference} --seeds 0,1,2)")
-    d = study_report.paired_difference(study_report.scores(ours, seeds, args.score),
-                                       study_report.scores(theirs, seeds, args.score))
     per_pair = statistics.fmean(ours[s]["seconds"] + theirs[s]["seconds"] for s in seeds)
-    plan = stats.plan([100 * x for x in d["per_seed"]], args.halfwidth, per_pair)
+
+    def planned(score: str) -> stats.Plan:
+        d = study_report.paired_difference(study_report.scores(ours, seeds, score),
+                                           study_report.scores(theirs, seeds, score))
+        return stats.plan([100 * x for x in d["per_seed"]], args.halfwidth, per_pair)
+
+    plan = planned(args.score)
     pilot = plan.pilot
     print(f"pilot: {pilot.n} pairs of {method} - {args.reference} on {args.score}: {pilot.mean:+.1f} points "
           f"[{pilot.low:+.1f}, {pilot.high:+.1f}] (95% paired t), sd of the paired difference {pilot.sd:.1f}; "
@@ -636,6 +640,14 @@ def print_plan(out: Path, args: argparse.Namespace) -> None:
     for what, n in [(f"at the pilot's sd {pilot.sd:.1f}", plan.seeds),
                     (f"at its 80% upper bound {plan.sd_bound:.1f}", plan.seeds_at_bound)]:
         print(f"  +-{args.halfwidth:g} points {what}: {n} seeds, about {plan.hours(n):.0f} hours of runs")
+    # The score is part of the question, so it is chosen here, before the study: by what the pilot says it costs.
+    for other in (s for s in records.SCORES if s != args.score):
+        try:
+            alt = planned(other)
+        except records.RecordError:  # no validation curve: no curve score
+            continue
+        print(f"  --score {other} instead: sd {alt.pilot.sd:.1f}, {alt.seeds} seeds (about {alt.hours(alt.seeds):.0f} "
+              f"hours), {alt.seeds_at_bound} at its 80% upper bound{' (it scores learning speed)' * (other == 'auc')}")
     config = records.read(out / "study.json", records.Study).settings.config
     print(f"to ask it (the plan is fixed in study.json before the first run; the answer is read on these seeds):\n"
           f"  python -m apmpo.study --config {config} --out NEW_FOLDER --methods {method},{args.reference} "
