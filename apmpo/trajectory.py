@@ -65,6 +65,12 @@ class Rollout:
         return len(self.completion_ids) if self.sampled is None else sum(self.sampled)
 
 
+def seeds_per_sample(episodes: EpisodeRunner | None) -> int:
+    """Engine seeds one sample of `play` draws: one per turn an episode may take, else one. Callers size the seed
+    range of a call (apmpo.seeding) by it."""
+    return episodes.limits.max_turns if episodes else 1
+
+
 def play(client, prompt_ids: list[list[int]], records: list[dict], n: int, first_seed: int, sampling: Sampling, *,
          score: ScoreFn | None = None, episodes: EpisodeRunner | None = None, vision: VisionInputs | None = None,
          keep: Callable[[int, int], bool] | None = None) -> tuple[list[Rollout], RewardSummary, dict[str, float]]:
@@ -78,7 +84,7 @@ def play(client, prompt_ids: list[list[int]], records: list[dict], n: int, first
     if episodes is not None:
         if vision is not None:
             raise ValueError("multi-turn episodes (data.env) do not take images yet")
-        T = episodes.limits.max_turns
+        T = seeds_per_sample(episodes)
         wanted = [(k, j) for k in range(len(records)) for j in range(n) if keep(k, j)]
         played, summary = episodes.run(client, [records[k] for k, _ in wanted],
                                        lambda e, t: turn_seed(first_seed, wanted[e][0] * n + wanted[e][1], T, t),

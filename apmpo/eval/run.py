@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from apmpo import seeding
 from apmpo.data import BUILTIN, build_messages, encode_prompt, load_records
-from apmpo.trajectory import play
+from apmpo.trajectory import play, seeds_per_sample
 
 if TYPE_CHECKING:  # light at run time: the config imports this module to check eval.benchmarks
     from apmpo.sampling import Sampling
@@ -238,12 +238,11 @@ def generate_benchmark(client, benchmark: Benchmark, prompt_ids: list[list[int]]
     its row's completion is the episode's text after the first prompt, num_tokens its sampled tokens."""
     todo = missing_problems(store, benchmark.name, len(benchmark.records), seed, n)
     counts = {"prompts": 0, "samples": 0, "reward_failures": 0}
-    T = episodes.limits.max_turns if episodes else 1
     for chunk in contiguous_chunks(todo, batch_prompts):
         wanted = [(i, j) for i in chunk for j in range(n) if (benchmark.name, i, seed, j) not in store]
         played, summary, _ = play(
             client, [prompt_ids[i] for i in chunk], [benchmark.records[i] for i in chunk], n,
-            seeding.eval_request_seed(seed, chunk[0], n * T, len(chunk)), sampling,
+            seeding.eval_request_seed(seed, chunk[0], n * seeds_per_sample(episodes), len(chunk)), sampling,
             score=lambda texts, records: score(benchmark.reward, texts, records), episodes=episodes,
             keep=lambda k, j, chunk=chunk, wanted=set(wanted): (chunk[k], j) in wanted)
         store.add([{

@@ -38,7 +38,7 @@ class StepRollouts:
     rewards: Tensor  # [groups, G] rewards of the trained groups
     params: AdaptiveParams  # APMPO's p, FSS and eps_ada, from `rewards` as the advantages are
     metrics: dict[str, float]
-    times: dict[str, float]  # seconds: "generate", "reward"
+    times: dict[str, float]  # seconds: "generate", "reward" ("env" for episodes); the driver names them as logged
     weight_version: int  # the oldest server weights that generated any of it (asynchronous training's staleness)
     sampler_before: dict  # the prompt sampler's state before this batch: a resume regenerates it from there
 

@@ -24,11 +24,12 @@ from apmpo.learner.batching import StepRollouts
 from apmpo.loss import LossConfig, adaptive_params, advantages_for
 from apmpo.rewards import RewardSummary
 from apmpo.sampling import Sampling
-from apmpo.trajectory import Rollout, play
+from apmpo.trajectory import Rollout, play, seeds_per_sample
 
 # completions, samples, deadline=, max_failures= -> (rewards, summary): apmpo.rewards.RewardPool.score with the
-# reward bound; crashes and time-outs are scored 0 and counted in the RewardSummary.
-ScoreFn = Callable[..., "tuple[list[float], RewardSummary]"]
+# reward bound; crashes and time-outs are scored 0 and counted in the RewardSummary. collect_rollouts binds the
+# step's deadline and failure budget, which makes it the ScoreFn that apmpo.trajectory.play calls.
+PoolScore = Callable[..., "tuple[list[float], RewardSummary]"]
 # More failed rewards than this in a step is a broken reward function, not hard completions: stop, rather than
 # train on zeros.
 MAX_FAILED_FRAC = 0.5
@@ -72,7 +73,7 @@ def overlong_penalty(length: int, cfg: RolloutConfig) -> float:
 
 
 def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]], samples: list[dict],
-                     score: ScoreFn, cfg: RolloutConfig, loss: LossConfig, *, run_seed: int, step: int,
+                     score: PoolScore, cfg: RolloutConfig, loss: LossConfig, *, run_seed: int, step: int,
                      sampling: Sampling, vision: VisionInputs | None = None,
                      episodes: EpisodeRunner | None = None) -> StepRollouts:
     """Generates and scores until the batch is full; the seconds spent go to .times ("generate", "reward", and
@@ -96,10 +97,10 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         chosen = sampler.take(B)
         # Past this many failures, the check below stops the run whatever the other items score.
         tolerable = math.floor(MAX_FAILED_FRAC * (len(raw_rewards) + len(chosen) * G)) - failures
-        T = episodes.limits.max_turns if episodes else 1
         flat, summary, spent = play(
             client, [prompt_ids[i] for i in chosen], [samples[i] for i in chosen], G,
-            seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G * T), sampling,
+            seeding.train_request_seed(run_seed, step, rounds, len(chosen) * G * seeds_per_sample(episodes)),
+            sampling,
             score=lambda texts, records, tolerable=tolerable: score(
                 texts, records, deadline=time.monotonic() + cfg.reward_step_timeout_s - times["reward"],
                 max_failures=tolerable),

@@ -23,7 +23,7 @@ import os
 import time
 import zlib
 from array import array
-from dataclasses import dataclass
+import dataclasses
 
 from apmpo.config import Config, save_config
 from apmpo.data import stop_token_ids
@@ -32,24 +32,14 @@ from apmpo.eval.validate import Validation
 from apmpo.learner import lora
 from apmpo.trajectory import Rollout
 from apmpo.learner.checkpoint import save_best
+from apmpo.learner.batching import StepRollouts
 from apmpo.learner.collect import PromptSampler, RolloutStream, collect_rollouts
 from apmpo.learner.engine import check_devices
 from apmpo.learner.metrics import MetricsLogger, drop_steps_after
 from apmpo.learner.prepare import load_prompts
 from apmpo.learner.zero3 import WholeWeights
-from apmpo.loss import AdaptiveParams
 from apmpo.rewards import RewardPool, get_reward
 from apmpo.rollout.launcher import gpu_memory_utilization, serve
-
-
-@dataclass
-class Batch:
-    """What rank 0 hands every rank for one step, and what it keeps for the step's log."""
-
-    rollouts: list[Rollout]  # advantages filled in
-    params: AdaptiveParams  # APMPO's p, FSS, eps_ada of the batch's rewards
-    metrics: dict[str, float]  # reward/, response/, rollout/ (staleness included)
-    times: dict[str, float]  # seconds: time/generate, time/reward, time/wait_rollouts
 
 
 class Driver(contextlib.ExitStack):
@@ -112,16 +102,17 @@ class Driver(contextlib.ExitStack):
             cfg.train.steps)
         self.callback(self.stream.close)
 
-    def next_batch(self, step: int) -> Batch:
+    def next_batch(self, step: int) -> StepRollouts:
         """The step's rollouts with their advantages and adaptive parameters, at most train.max_staleness pushes
-        older than the policy being trained."""
+        older than the policy being trained; for the step's log, its metrics with the staleness added, and its times
+        named as logged (time/generate, time/reward, time/wait_rollouts)."""
         tick = time.perf_counter()
         batch = self.stream.get(step, self.policy_version)
         times = {f"time/{k}": v for k, v in batch.times.items()} | {"time/wait_rollouts": time.perf_counter() - tick}
         staleness = {"rollout/staleness": batch.staleness(self.policy_version),
                      "rollout/discarded_stale": self.stream.discarded}
         self._log_digests(step, batch.rollouts)
-        return Batch(batch.rollouts, batch.params, batch.metrics | staleness, times)
+        return dataclasses.replace(batch, metrics=batch.metrics | staleness, times=times)
 
     def _log_digests(self, step: int, rollouts: list[Rollout]) -> None:
         """One line of the digests file (RUN_DIR/rollouts.jsonl): a CRC-32 of each trained completion's token ids, in batch order. Two runs
