@@ -494,6 +494,40 @@ def test_a_parallel_run_starts_under_deepspeeds_launcher_from_this_interpreter(t
     assert argv[7].endswith("launch/train.py") and argv[-2:] == ["--set", "rollout.devices=4"]
 
 
+@pytest.mark.parametrize("best_step, eval_best, evaluated, recorded", [
+    (50, True, "eval best", None),  # the best checkpoint is another policy: evaluated too
+    (50, False, None, {"last"}),  # --no-best: not evaluated, and the last policy is not recorded as the best
+    (100, False, None, {"last", "best"}),  # the best policy was the last one: its evaluation stands for both
+])
+def test_the_best_checkpoint_is_evaluated_unless_no_best(tmp_path, best_step, eval_best, evaluated, recorded):
+    from apmpo.config import load_config
+    from apmpo.study.__main__ import Run, Slot, commands
+
+    run = Run("grpo", 0, (), (), tmp_path, load_config("configs/quickstart.yaml"))  # 100 steps
+    (tmp_path / "checkpoints" / "step_100" / "hf").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_100" / "hf" / "config.json").write_text("{}")  # trained
+    (tmp_path / "checkpoints" / "best").mkdir()
+    (tmp_path / "checkpoints" / "best" / "best.json").write_text(json.dumps({"step": best_step}))
+    for which in ("last", "best"):  # evaluations as apmpo.eval writes them, so that no process is started
+        (tmp_path / "eval" / which).mkdir(parents=True)
+        (tmp_path / "eval" / which / "results.json").write_text(json.dumps({
+            "settings": {"seeds": [0], "n": 1, "k": [1]},
+            "benchmarks": {"b": {"pass@1": {"mean": 1.0 if which == "last" else 0.0}, "mean_tokens": 3.0}}}))
+        (tmp_path / "eval" / which / "samples.jsonl").write_text(json.dumps(
+            {"benchmark": "b", "index": 0, "seed": 0, "sample": 0, "correct": which == "last"}) + "\n")
+    (tmp_path / "eval" / "best" / "results.json").rename(tmp_path / "eval" / "best" / "later.json")
+    settings = Settings("configs/quickstart.yaml", eval_best=eval_best)
+    # the run's next process, if any (the last policy is evaluated already); None: the record is written
+    assert next((what for what, _, _ in commands(run, settings, Slot())), None) == evaluated
+    if evaluated:
+        return
+    result = json.loads(run.result_path.read_text())
+    assert set(result["eval"]) == recorded
+    assert result["eval"]["last"]["step"] == 100 and result["eval"]["last"]["benchmarks"]["b"]["correct"] == [1]
+    if "best" in recorded:
+        assert result["eval"]["best"] == result["eval"]["last"]
+
+
 def test_a_study_refuses_to_change_what_its_runs_were_trained_with(tmp_path):
     settings = Settings("configs/quickstart.yaml", ("train.steps=4",))
     save_study(tmp_path, *load_study(tmp_path, settings, {"grpo": ("loss.name=grpo",)}))

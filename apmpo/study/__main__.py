@@ -312,7 +312,7 @@ def commands(run: Run, settings: Settings, slot: Slot):
     best = best_record(run)
     last_step = cfg.train.steps
     targets = [("last", run.dir / "checkpoints" / f"step_{last_step}", last_step)]
-    if best is not None and best["step"] != last_step:
+    if settings.eval_best and best is not None and best["step"] != last_step:
         targets.append(("best", run.dir / "checkpoints" / "best", best["step"]))
     for which, checkpoint, _ in targets:
         if (run.dir / "eval" / which / "results.json").is_file():
@@ -354,7 +354,7 @@ def write_result(run: Run, settings: Settings, targets: list, best: dict | None)
     evals = {}
     for which, _, step in targets:
         evals[which] = {"step": step, **_correct_counts(run.dir / "eval" / which)}
-    if "best" not in evals and best is not None:  # the best policy was the last one
+    if best is not None and best["step"] == evals["last"]["step"]:  # the best policy was the last one
         evals["best"] = evals["last"]
     metrics = _read_metrics(run.dir / "metrics.jsonl")
     key = run.cfg.checkpoint.keep_best
@@ -685,6 +685,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-limit", type=int, default=None, help="only the first K problems (default: all)")
     p.add_argument("--eval-seeds", default="0", help="eval sampling seeds, shared by every run")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every K steps, to resume a killed run")
+    p.add_argument("--no-best", action="store_true",
+                   help="evaluate the last policy only, not also the best by validation: one evaluation a run, not "
+                        "two (a question's score never reads the best; the report then has no table of it)")
     p.add_argument("--parallel", default=None, metavar="'GPUS[+GPUS];...'",
                    help="GPU groups, one run each at once, e.g. '0+1;2+3' (learner + servers) or '0;1' (shared)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
@@ -735,7 +738,8 @@ def main(argv: list[str] | None = None) -> int:
         asked = args.methods
         methods = {m: method_overrides(m, variants) for m in asked}
         settings = None if args.config is None else Settings(
-            args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every)
+            args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every,
+            not args.no_best)
         if (args.report or args.plan) and not (out / "study.json").is_file():
             raise StudyError(f"{out / 'study.json'} does not exist: " + (
                 f"no study to report on in {out}" if args.report else "--plan reads a study's finished pairs"))

@@ -59,6 +59,7 @@ class Settings:
     eval_limit: int | None = None
     eval_seeds: tuple[int, ...] = (0,)
     save_every: int = 10
+    eval_best: bool = True  # also evaluate the best-by-validation checkpoint where it is not the last
 
 
 class Record(BaseModel):
