@@ -154,7 +154,8 @@ def collect_rollouts(client, sampler: PromptSampler, prompt_ids: list[list[int]]
         "rollout/informative_groups_frac": (advantages.abs().sum(1) > 0).float().mean().item(),
     }
     if episodes is not None:  # response/length_mean counts the sampled tokens; these, the whole episode
-        metrics |= {"episode/turns_mean": turns / len(lengths), "episode/tokens_mean": sum(episode_tokens) / len(episode_tokens)}
+        metrics |= {"episode/turns_mean": turns / len(lengths),
+                    "episode/tokens_mean": sum(episode_tokens) / len(episode_tokens)}
     return StepRollouts(rollouts, rewards, params, metrics, times, min(versions, default=-1), sampler_before)
 
 
