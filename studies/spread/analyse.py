@@ -71,8 +71,9 @@ def spread_run(name: str) -> tuple[dict[int, dict], float | None]:
     return metrics, 100 * evaluation["pass@1"]["mean"] if evaluation else None
 
 
-def digests(name: str) -> dict[int, list[int]]:
-    path = RUNS / name / "rollouts.jsonl"
+def digests(run_dir: Path) -> dict[int, list[int]]:
+    """A run's completion digests by step (RUN_DIR/rollouts.jsonl); {} without the file."""
+    path = run_dir / "rollouts.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     return {row["step"]: row["crc32"] for row in rows}
 
@@ -135,8 +136,8 @@ def training(score: dict[int, tuple[float, float]], ve: float) -> None:
 
 
 def pilot() -> None:
-    """The one-machine pilot's pairs: the paired difference on the last policy, the validation's tail and AUC, and
-    the step-30 validation; each pair's first step with a differing completion."""
+    """The one-machine pilot's pairs: the paired difference on the last policy, the validation's tail and its AUC;
+    each pair's first step with a differing completion; its seed 0 against the spread runs of the same cell."""
     from apmpo.study import records, report
 
     if not PILOT.is_dir():
@@ -154,12 +155,8 @@ def pilot() -> None:
         print(f"  {score:5s} " + " ".join(f"{x:+.1f}" for x in d) + f": mean {d.mean():+.1f}{sd}")
     for s in seeds:
         a, g = runs["apmpo"][s], runs["grpo"][s]
-        rows = [{row["step"]: row["crc32"] for row in map(json.loads, (PILOT / m / f"seed_{s}" / "rollouts.jsonl")
-                                                          .read_text().splitlines())}
-                for m in ("apmpo", "grpo") if (PILOT / m / f"seed_{s}" / "rollouts.jsonl").is_file()]
-        part = None
-        if len(rows) == 2:
-            part = next((step for step in sorted(set(rows[0]) & set(rows[1])) if rows[0][step] != rows[1][step]), None)
+        da, dg = digests(PILOT / "apmpo" / f"seed_{s}"), digests(PILOT / "grpo" / f"seed_{s}")
+        part = next((step for step in sorted(set(da) & set(dg)) if da[step] != dg[step]), None)
         va, vg = validation(a), validation(g)
         rho = np.corrcoef([va[k] for k in sorted(va)], [vg[k] for k in sorted(vg)])[0, 1]
         print(f"  seed {s}: last {100 * a['eval']['last']['benchmarks']['arith_test']['pass@1']:.1f} / "
@@ -221,7 +218,7 @@ def main() -> None:
         print(f"  grpo: {len(steps)} steps, {len(keys)} metrics each: "
               + ("every value equal" if first is None else f"first difference at step {first}")
               + f"; rewards and lengths {'equal' if same_samples else 'differ'} on every step")
-    da, dg = digests("apmpo_t0_d0_15"), digests("grpo_t0_d0_15")
+    da, dg = digests(RUNS / "apmpo_t0_d0_15"), digests(RUNS / "grpo_t0_d0_15")
     if da and dg:
         same = [(s, np.mean([x == y for x, y in zip(da[s], dg[s])])) for s in sorted(set(da) & set(dg))]
         print("APMPO and GRPO on seed 0, share of identical completions by step: "
