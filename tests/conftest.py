@@ -21,12 +21,13 @@ TESTS = Path(__file__).resolve().parent
 # built the quickstart run its files needed: twice. (xdist's own --dist loadgroup marks a test by suffixing its id,
 # which pytest 9 ignores: a scheduler of ours groups by file name instead.)
 SHARED = {"quickstart_run": ("test_train_cli", "test_checkpoint", "test_validation", "test_correction",
-                             "test_train_faults"),  # quickstart_run, quickstart_export_server, two_rank_run
+                             "test_train_faults", "test_zero3"),  # quickstart_run, two_rank_run, their servers
           "session_servers": ("test_server_reliability", "test_rollout_server", "test_servers_pool", "test_lora_server")}
-# The longest groups first (seconds in one process, 2026-11-28: 500, 400, 320, 285, 212, 198, 183, 161, 91), then
-# the rest in file order (pytest.ini: --no-loadscope-reorder), so that no long group starts last and runs alone.
+# The longest groups first (seconds in one process, 2026-11-28: 683 with test_zero3, 400, 320, 285, 212, 198, 161,
+# 91), then the rest in file order (pytest.ini: --no-loadscope-reorder), so that no long group starts last and runs
+# alone.
 LONGEST_FIRST = ("quickstart_run", "session_servers", "test_benchmarks", "test_study", "test_envs_server",
-                 "test_multinode", "test_zero3", "test_real_model", "test_lora")
+                 "test_multinode", "test_real_model", "test_lora")
 
 
 def _group(path: str) -> str:
@@ -52,7 +53,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 # The session's servers: one token, and caps that every module using them fits in (a request over one is a 400).
 SERVER_TOKEN = "test-token"
-SERVER_LIMITS = dict(max_prompts=4096, max_n=64, max_tokens=200, generate_timeout_s=30)
+SERVER_LIMITS = dict(max_prompts=4096, max_n=64, max_tokens=200, generate_timeout_s=15)
 
 
 @pytest.fixture(scope="session")
@@ -115,13 +116,36 @@ def perturbed_server(session_servers):
 
 
 @pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory):
+def quickstart_servers(tmp_path_factory):
+    """`--set rollout.urls=[...]`: two servers on the quickstart model, started as a run of configs/quickstart.yaml
+    starts its own, for the runs whose tests read nothing of their servers (two engine starts a run saved, about
+    16 s of CPU each). A run pushes its weights at connect, so it generates exactly as on servers of its own: the
+    kill test's run, on its own servers, matches quickstart_run to the last digit."""
+    from apmpo.config import load_config  # noqa: PLC0415
+    from apmpo.quickstart import save_quickstart_model  # noqa: PLC0415
+    from apmpo.rollout.launcher import start_servers  # noqa: PLC0415
+    from train_runs import ROOT  # noqa: PLC0415
+
+    cfg = load_config(str(ROOT / "configs/quickstart.yaml"))
+    root = tmp_path_factory.mktemp("quickstart_servers")
+    servers = start_servers(str(save_quickstart_model(root / "model", seed=cfg.train.seed)),
+                            log_paths=[root / "server.0.log", root / "server.1.log"], devices=[None, None],
+                            max_model_len=cfg.rollout.max_model_len, dtype=cfg.engine_dtype, seed=cfg.train.seed,
+                            extra_args=("--enforce-eager",), overlap=cfg.overlap, ready_timeout_s=300)
+    yield "rollout.urls=[" + ", ".join(server.url for server in servers) + "]"
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory, quickstart_servers):
     """The run directory of `launch/train.py --config configs/quickstart.yaml` with train_runs.QUICKSTART_RUN: one
     short run shared by every test that reads what a run leaves behind (see there)."""
     from train_runs import QUICKSTART_RUN, run, train_command  # noqa: PLC0415
 
     out = tmp_path_factory.mktemp("quickstart_run")
-    run(train_command("configs/quickstart.yaml", *QUICKSTART_RUN, f"logging.output_dir={out}"), timeout=900)
+    run(train_command("configs/quickstart.yaml", *QUICKSTART_RUN, quickstart_servers, f"logging.output_dir={out}"),
+        timeout=900)
     return out / "quickstart"
 
 
@@ -138,7 +162,7 @@ def quickstart_export_server(quickstart_run):
 
 
 @pytest.fixture(scope="session")
-def two_rank_run(tmp_path_factory):
+def two_rank_run(tmp_path_factory, quickstart_servers):
     """The quickstart for 2 steps (a checkpoint at step 2) through the `deepspeed` launcher with 2 learner ranks, with
     a reward that returns NaN now and then (tests/failing_rewards.py, named as a user names theirs): one run for
     test_train_cli's two-rank test and test_train_faults' NaN test. The launcher's CompletedProcess and the run
@@ -148,7 +172,8 @@ def two_rank_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("two_rank_run")
     command = train_command("configs/quickstart.yaml", "train.steps=2", "checkpoint.save_every=2",
-                            "data.reward=failing_rewards:nan_every_20th", f"logging.output_dir={out}")
+                            "data.reward=failing_rewards:nan_every_20th", quickstart_servers,
+                            f"logging.output_dir={out}")
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                 *command[1:]]
     pythonpath = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])  # for failing_rewards

@@ -127,12 +127,13 @@ def test_eval_cli_reports_pass_at_k_over_episodes_and_resumes(server, tmp_path, 
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 48
 
 
-def test_multiturn_training_runs_async_validates_episodes_survives_env_failures_and_resumes(tmp_path):
+def test_multiturn_training_runs_async_validates_episodes_survives_env_failures_and_resumes(tmp_path,
+                                                                                          quickstart_servers):
     """configs/quickstart_multiturn.yaml for 4 steps, generating one step ahead, validating every 2 steps on
     episodes, with an environment that fails on about one sample in ten; then resumed from step 4's checkpoint
     for 2 steps more."""
     overrides = ["data.env=flaky_envs:RaisesInStep", "train.max_staleness=1", "checkpoint.save_every=2",
-                 "eval.every=2", "eval.limit=12", f"logging.output_dir={tmp_path}"]
+                 "eval.every=2", "eval.limit=12", quickstart_servers, f"logging.output_dir={tmp_path}"]
     run(train_command("configs/quickstart_multiturn.yaml", *overrides, "train.steps=4"), env=ENV)
     rows = metrics(tmp_path / "quickstart_multiturn")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -160,12 +161,12 @@ def test_multiturn_training_runs_async_validates_episodes_survives_env_failures_
     assert (tmp_path / "quickstart_multiturn" / "eval" / "step_6" / "samples.jsonl").is_file()
 
 
-def test_the_two_turn_quickstart_learns(tmp_path):
+def test_the_two_turn_quickstart_learns(tmp_path, quickstart_servers):
     """The policy must read what the environment revealed (tokens it never samples and is never trained on) to
     answer in turn 2: reward/mean from near chance to at least 0.8 (10-step mean) within 100 steps, and validation
     on held-out episodes agrees."""
     run(train_command("configs/quickstart_multiturn.yaml", "checkpoint.save_every=0", "eval.every=50",
-                      f"logging.output_dir={tmp_path}"), env=ENV)
+                      quickstart_servers, f"logging.output_dir={tmp_path}"), env=ENV)
     rows = metrics(tmp_path / "quickstart_multiturn")
     rewards = [r["reward/mean"] for r in rows]
     assert len(rewards) == 100

@@ -62,16 +62,17 @@ def engines(tiny_tied, tmp_path_factory):
     logs = tmp_path_factory.mktemp("engines")
     # Started as a user would, without the launcher; and without VLLM_CPU_KVCACHE_SPACE, where the old default
     # --gpu-memory-utilization 0.9 failed on a machine with less than 90% of its memory free.
+    # Eager: what these tests check is the processes, and a compiled engine costs about 10 s more CPU to start.
     env = {k: v for k, v in os.environ.items()
            if k not in ("APMPO_LAUNCHER_PID", "VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES")}
     port = free_port()
     with open(logs / "by_hand.log", "wb") as log:
         by_hand = subprocess.Popen([sys.executable, "-m", "apmpo.rollout.server", "--model", str(tiny_tied),
-                                    "--port", str(port), "--max-model-len", "256"],
+                                    "--port", str(port), "--max-model-len", "256", "--enforce-eager"],
                                    stdout=log, stderr=subprocess.STDOUT, env=env | MULTIPROCESS,
                                    start_new_session=True)
     launched = start_server(str(tiny_tied), log_path=logs / "launched.log", dtype="float32", max_model_len=256,
-                            env=MULTIPROCESS, wait=False)
+                            extra_args=("--enforce-eager",), env=MULTIPROCESS, wait=False)
     (logs / "engine_script.py").write_text(ENGINE_SCRIPT)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **MULTIPROCESS}  # the wedge was in its msgpack path
     with open(logs / "script.out", "wb") as out, open(logs / "script.err", "wb") as err:

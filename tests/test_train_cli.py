@@ -66,11 +66,13 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
          "loss.name must be one of ['apmpo', 'grpo', 'dapo', 'gmpo', 'dr_grpo', 'gspo'], got 'nope'"),
         (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", f"logging.output_dir={bad}"],
          f"logging.output_dir: cannot write the run directory {bad}/quickstart (Not a directory)"),
-    )]  # all at once: each spends its seconds importing
+    )]  # all at once: each spends its 8 s of CPU importing
     for process, message in runs:
         stderr = process.communicate(timeout=120)[1]
         assert process.returncode == 2 and message in stderr, stderr
-        assert time.time() - start < 60 and not (tmp_path / "runs").exists()
+        # No run directory: nothing was written and no server started. The bound only says they failed as they
+        # loaded: on two cores shared with the other test worker the five took 54-62 s in the suite.
+        assert time.time() - start < 100 and not (tmp_path / "runs").exists()
 
 
 def test_a_second_run_in_a_running_runs_directory_stops_before_anything_starts(tmp_path):

@@ -26,16 +26,18 @@ ZERO3_RUN = ("train.zero_stage=3", "loss.kl_beta=0.01", "train.steps=4", "checkp
              "checkpoint.keep_best=val/quickstart_val/pass@1")
 
 
-def zero3_command(out_dir, *extra: str) -> list[str]:
-    command = train_command("configs/quickstart.yaml", *ZERO3_RUN, f"logging.output_dir={out_dir}")
+def zero3_command(out_dir, servers: str, *extra: str) -> list[str]:
+    """ZERO3_RUN through the `deepspeed` launcher with 2 ranks, generating on `servers` (conftest's
+    quickstart_servers: rollout.urls)."""
+    command = train_command("configs/quickstart.yaml", *ZERO3_RUN, servers, f"logging.output_dir={out_dir}")
     return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
             *command[1:], *extra]
 
 
 @pytest.fixture(scope="module")
-def zero3_run(tmp_path_factory):
+def zero3_run(tmp_path_factory, quickstart_servers):
     out = tmp_path_factory.mktemp("zero3")
-    done = run(zero3_command(out), timeout=900)
+    done = run(zero3_command(out, quickstart_servers), timeout=900)
     return done, out / "quickstart"
 
 
@@ -68,11 +70,11 @@ def test_zero3_trains_checkpoints_and_exports_on_two_ranks(zero3_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_resumes_on_both_ranks_to_the_same_next_steps(zero3_run, tmp_path):
+def test_zero3_resumes_on_both_ranks_to_the_same_next_steps(zero3_run, quickstart_servers, tmp_path):
     _, run_dir = zero3_run
     shutil.copytree(run_dir, tmp_path / "quickstart")
     shutil.rmtree(tmp_path / "quickstart" / "checkpoints" / "step_4")
-    done = run(zero3_command(tmp_path, "--resume"), timeout=900)
+    done = run(zero3_command(tmp_path, quickstart_servers, "--resume"), timeout=900)
     assert "resuming at step 2" in done.stdout
     reference, resumed = metrics(run_dir), metrics(tmp_path / "quickstart")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
