@@ -136,3 +136,15 @@ def test_twostep_records_and_the_prompts_worked_example():
     assert _solve(example[1]) == 5 and math_reward(example[2], {"answer": "5"}) == 1.0
     [benchmark] = resolve_benchmarks("twostep_test", limit=64)
     assert benchmark.reward == "math" and len(benchmark.records) == 64
+
+
+def test_the_one_and_two_step_training_set_holds_each_tasks_training_problems_alternately():
+    rows = load_records("arith_twostep_train")
+    arith, twostep = ARITH.make_rows("train", 4096), TWOSTEP.make_rows("train", 4096)
+    assert len(rows) == 8192
+    assert [r["question"] for r in rows[0::2]] == [r["question"] for r in twostep]
+    assert [r["question"] for r in rows[1::2]] == [r["question"] for r in arith]
+    assert all(r["messages"][0] == {"role": "system", "content": TWOSTEP.system_prompt} for r in rows)
+    # Neither held-out split is trained on: every problem comes from its own task's training side.
+    for task, half in ((ARITH, arith), (TWOSTEP, twostep)):
+        assert not any(task.is_held_out(r["template"], r["numbers"]) for r in half)

@@ -91,6 +91,8 @@ BUILTIN: dict[str, Builtin] = {
     # Word problems generated in code (apmpo/data/arith.py: one step; twostep.py: two), tasks SmolLM2-135M-Instruct
     # can learn on CPU; disjoint splits.
     **_generated(arith.ARITH), **_generated(twostep.TWOSTEP),
+    "arith_twostep_train": Builtin(None, "math", 8192, rows=twostep.one_and_two_step_rows,
+                                   system_prompt=twostep.TWOSTEP.system_prompt),
 }
 
 

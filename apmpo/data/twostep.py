@@ -3,6 +3,7 @@
     from apmpo.data import load_records
     train = load_records("twostep_train")   # 8192 problems (data.train: twostep_train)
     test = load_records("twostep_test")     # 384 held-out problems (eval.benchmarks / --benchmarks twostep_test)
+    mixed = load_records("arith_twostep_train")  # arith's and twostep's training problems, alternately
 
 A problem is a short story with two operations on small integers (+, -, x) and an integer answer, e.g.
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 
-from apmpo.data.arith import Template, WordProblems
+from apmpo.data.arith import ARITH, Template, WordProblems
 
 SYSTEM_PROMPT = ("Solve the problem briefly, one step at a time. Example:\n"
                  "Question: Ann has 4 pens and buys 3 more, then gives 2 of them to a friend. "
@@ -79,3 +80,15 @@ TEMPLATES = (
 )
 
 TWOSTEP = WordProblems("twostep", TEMPLATES, SYSTEM_PROMPT, train_size=8192, test_size=384)
+
+
+def one_and_two_step_rows(size: int = 8192) -> list[dict]:
+    """The built-in `arith_twostep_train`: arith's training problems and twostep's, alternating, `size` in all.
+    Trained on twostep's own problems for 30 steps (8 prompts x 4 samples), SmolLM2-135M-Instruct did not learn:
+    reward 0-0.09 a step, validation 0.02-0.05 (APMPO, seed 0, 2026-11-29), because about one group a step had a
+    reward in it. Half one-step problems, which it learns within 30 steps, give every step a signal, and twostep's
+    held-out split (never trained on: each half comes from its task's training side) measures how far that goes
+    on two steps. Asked with twostep's system prompt (a worked two-step example) throughout."""
+    one, two = ARITH.make_rows("train", size // 2), TWOSTEP.make_rows("train", size - size // 2)
+    return [row for pair in zip(two, one) for row in pair] + two[len(one):]
+
