@@ -14,9 +14,10 @@ Every figure is in points of pass@1 (variance in points squared). Sources:
 - the plateau: the train.seed runs continued to step 60 (the learning rate is constant): does the sd shrink?
 - a rerun: the study's seed-0 APMPO and GRPO runs again for 15 steps; their logged metrics compared number for
   number, and their completions' digests (rollouts.jsonl) with each other: how fast coupled trajectories part.
-- the pilot (studies/pilot_one_machine): APMPO-GRPO pairs run by `python -m apmpo.study` on one idle machine, with
-  today's engine sampling: their paired sd on each score, where each pair's trajectories part, and whether its
-  seed 0 repeats the spread runs of the same cell to the last digit.
+- the pilots (studies/pilot_one_machine on arithmetic, studies/twostep_pilot on two-step problems): APMPO-GRPO
+  pairs run by `python -m apmpo.study` on one idle machine, with today's engine sampling: their paired sd on each
+  score, where each pair's trajectories part, and whether arithmetic's seed 0 repeats the spread runs of the same
+  cell to the last digit.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from apmpo.plot import read_metrics  # noqa: E402
 from apmpo.study import stats  # noqa: E402
 
 STUDY = ROOT / "studies" / "smollm2_arith" / "runs"
-PILOT = ROOT / "studies" / "pilot_one_machine" / "runs"
+PILOTS = {"pilot_one_machine": "arith_test", "twostep_pilot": "twostep_test"}  # study folder: its benchmark
 RUNS = ROOT / "studies" / "spread" / "runs"
 KEY = "val/arith_test/pass@1"
 
@@ -135,19 +136,21 @@ def training(score: dict[int, tuple[float, float]], ve: float) -> None:
               f"{np.std([np.mean(v) for v in tails.values()], ddof=1):.1f} ({len(tails)} runs)")
 
 
-def pilot() -> None:
-    """The one-machine pilot's pairs: the paired difference on the last policy, the validation's tail and its AUC;
-    each pair's first step with a differing completion; its seed 0 against the spread runs of the same cell."""
+def pilot(name: str, benchmark: str) -> None:
+    """A pilot's APMPO-GRPO pairs (studies/NAME, one idle machine): the paired difference on the last policy, the
+    validation's tail and its AUC; each pair's first step with a differing completion; its seed 0 against the
+    spread runs of the same cell (arithmetic only)."""
     from apmpo.study import records, report
 
-    if not PILOT.is_dir():
+    folder = ROOT / "studies" / name
+    if not folder.is_dir():
         return
-    runs = records.load_results(PILOT.parent)
+    runs = records.load_results(folder)
     runs = {m: runs.get(m, {}) for m in ("apmpo", "grpo")}
     seeds = sorted(set(runs["apmpo"]) & set(runs["grpo"]))
     if not seeds:
         return
-    print(f"the pilot on one machine, APMPO - GRPO, seeds {seeds}:")
+    print(f"{name}, APMPO - GRPO on {benchmark}, seeds {seeds}:")
     for score in ("last", "tail", "auc"):
         d = 100 * np.array(report.paired_difference(report.scores(runs["apmpo"], seeds, score),
                                                     report.scores(runs["grpo"], seeds, score))["per_seed"])
@@ -155,16 +158,17 @@ def pilot() -> None:
         print(f"  {score:5s} " + " ".join(f"{x:+.1f}" for x in d) + f": mean {d.mean():+.1f}{sd}")
     for s in seeds:
         a, g = runs["apmpo"][s], runs["grpo"][s]
-        da, dg = digests(PILOT / "apmpo" / f"seed_{s}"), digests(PILOT / "grpo" / f"seed_{s}")
+        da, dg = (digests(folder / "runs" / m / f"seed_{s}") for m in ("apmpo", "grpo"))
         part = next((step for step in sorted(set(da) & set(dg)) if da[step] != dg[step]), None)
         va, vg = validation(a), validation(g)
         rho = np.corrcoef([va[k] for k in sorted(va)], [vg[k] for k in sorted(vg)])[0, 1]
-        print(f"  seed {s}: last {100 * a['eval']['last']['benchmarks']['arith_test']['pass@1']:.1f} / "
-              f"{100 * g['eval']['last']['benchmarks']['arith_test']['pass@1']:.1f}; completions first differ at step "
+        print(f"  seed {s}: last {100 * a['eval']['last']['benchmarks'][benchmark]['pass@1']:.1f} / "
+              f"{100 * g['eval']['last']['benchmarks'][benchmark]['pass@1']:.1f}; completions first differ at step "
               f"{part}; validation over steps correlates at {rho:.2f}")
     for m in ("apmpo", "grpo"):  # the same cell as the spread runs: a rerun on one machine repeats them
-        if 0 in runs[m] and (RUNS / f"{m}_t0_d0" / "metrics.jsonl").is_file():
-            ours, theirs = read_metrics(PILOT / m / "seed_0" / "metrics.jsonl"), spread_run(f"{m}_t0_d0")[0]
+        if benchmark == "arith_test" and 0 in runs[m] and (RUNS / f"{m}_t0_d0" / "metrics.jsonl").is_file():
+            ours = read_metrics(folder / "runs" / m / "seed_0" / "metrics.jsonl")
+            theirs = spread_run(f"{m}_t0_d0")[0]
             keys = [k for k in theirs[1] if not k.startswith("time/")]
             same = all(ours[s].get(k) == theirs[s].get(k) for s in theirs for k in keys)
             print(f"  {m} seed 0 against the spread run {m}_t0_d0: every non-time metric at every step "
@@ -226,7 +230,8 @@ def main() -> None:
         va, vg = spread_run("apmpo_t0_d0_15")[0], spread_run("grpo_t0_d0_15")[0]
         both = [s for s in sorted(set(va) & set(vg)) if KEY in va[s] and KEY in vg[s]]
         print("  their validation: " + " ".join(f"{s}: {100 * va[s][KEY]:.1f}/{100 * vg[s][KEY]:.1f}" for s in both))
-    pilot()
+    for name, benchmark in PILOTS.items():
+        pilot(name, benchmark)
     print("planning at this design: "
           f"{stats.seeds_needed(d.std(ddof=1), 2.0)} seeds for +-2 points at the paired sd {d.std(ddof=1):.1f}")
 
