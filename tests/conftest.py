@@ -115,26 +115,55 @@ def perturbed_server(session_servers):
     return session_servers[1]
 
 
+class QuickstartServers:
+    """Two servers on the quickstart model, started as a run of configs/quickstart.yaml starts its own, for the
+    runs whose tests read nothing of their servers (two engine starts a run saved, about 16 s of CPU each). A run
+    pushes its weights at connect, so it generates exactly as on servers of its own: the kill test's run, on its
+    own servers, matches quickstart_run to the last digit. Started at first use and stopped when the group of
+    tests that used them ends (pytest_runtest_teardown below): alive to the end of the session, two pairs (one
+    per test worker) held about 6 GB, and the SmolLM2 test's run was killed for memory."""
+
+    def __init__(self, root: Path):
+        self.root, self.servers = root, []
+
+    def urls(self) -> str:
+        """`--set rollout.urls=[...]`, the pair started if it is not running."""
+        from apmpo.config import load_config  # noqa: PLC0415
+        from apmpo.quickstart import save_quickstart_model  # noqa: PLC0415
+        from apmpo.rollout.launcher import start_servers  # noqa: PLC0415
+
+        if not self.servers:
+            cfg = load_config(str(TESTS.parent / "configs/quickstart.yaml"))
+            model = self.root / "model"
+            if not (model / "config.json").is_file():
+                save_quickstart_model(model, seed=cfg.train.seed)
+            self.servers = start_servers(
+                str(model), log_paths=[self.root / "server.0.log", self.root / "server.1.log"], devices=[None, None],
+                max_model_len=cfg.rollout.max_model_len, dtype=cfg.engine_dtype, seed=cfg.train.seed,
+                extra_args=("--enforce-eager",), overlap=cfg.overlap, ready_timeout_s=300)
+        return "rollout.urls=[" + ", ".join(server.url for server in self.servers) + "]"
+
+    def stop(self) -> None:
+        servers, self.servers = self.servers, []
+        for server in servers:
+            server.stop()
+
+
+_SERVER_PAIRS: list[QuickstartServers] = []
+
+
 @pytest.fixture(scope="session")
 def quickstart_servers(tmp_path_factory):
-    """`--set rollout.urls=[...]`: two servers on the quickstart model, started as a run of configs/quickstart.yaml
-    starts its own, for the runs whose tests read nothing of their servers (two engine starts a run saved, about
-    16 s of CPU each). A run pushes its weights at connect, so it generates exactly as on servers of its own: the
-    kill test's run, on its own servers, matches quickstart_run to the last digit."""
-    from apmpo.config import load_config  # noqa: PLC0415
-    from apmpo.quickstart import save_quickstart_model  # noqa: PLC0415
-    from apmpo.rollout.launcher import start_servers  # noqa: PLC0415
-    from train_runs import ROOT  # noqa: PLC0415
+    pair = QuickstartServers(tmp_path_factory.mktemp("quickstart_servers"))
+    _SERVER_PAIRS.append(pair)
+    yield pair
+    pair.stop()
 
-    cfg = load_config(str(ROOT / "configs/quickstart.yaml"))
-    root = tmp_path_factory.mktemp("quickstart_servers")
-    servers = start_servers(str(save_quickstart_model(root / "model", seed=cfg.train.seed)),
-                            log_paths=[root / "server.0.log", root / "server.1.log"], devices=[None, None],
-                            max_model_len=cfg.rollout.max_model_len, dtype=cfg.engine_dtype, seed=cfg.train.seed,
-                            extra_args=("--enforce-eager",), overlap=cfg.overlap, ready_timeout_s=300)
-    yield "rollout.urls=[" + ", ".join(server.url for server in servers) + "]"
-    for server in servers:
-        server.stop()
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None or _group(nextitem.nodeid) != _group(item.nodeid):
+        for pair in _SERVER_PAIRS:
+            pair.stop()
 
 
 @pytest.fixture(scope="session")
@@ -144,8 +173,8 @@ def quickstart_run(tmp_path_factory, quickstart_servers):
     from train_runs import QUICKSTART_RUN, run, train_command  # noqa: PLC0415
 
     out = tmp_path_factory.mktemp("quickstart_run")
-    run(train_command("configs/quickstart.yaml", *QUICKSTART_RUN, quickstart_servers, f"logging.output_dir={out}"),
-        timeout=900)
+    run(train_command("configs/quickstart.yaml", *QUICKSTART_RUN, quickstart_servers.urls(),
+                      f"logging.output_dir={out}"), timeout=900)
     return out / "quickstart"
 
 
@@ -172,7 +201,7 @@ def two_rank_run(tmp_path_factory, quickstart_servers):
 
     out = tmp_path_factory.mktemp("two_rank_run")
     command = train_command("configs/quickstart.yaml", "train.steps=2", "checkpoint.save_every=2",
-                            "data.reward=failing_rewards:nan_every_20th", quickstart_servers,
+                            "data.reward=failing_rewards:nan_every_20th", quickstart_servers.urls(),
                             f"logging.output_dir={out}")
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                 *command[1:]]

@@ -133,7 +133,7 @@ def test_multiturn_training_runs_async_validates_episodes_survives_env_failures_
     episodes, with an environment that fails on about one sample in ten; then resumed from step 4's checkpoint
     for 2 steps more."""
     overrides = ["data.env=flaky_envs:RaisesInStep", "train.max_staleness=1", "checkpoint.save_every=2",
-                 "eval.every=2", "eval.limit=12", quickstart_servers, f"logging.output_dir={tmp_path}"]
+                 "eval.every=2", "eval.limit=12", quickstart_servers.urls(), f"logging.output_dir={tmp_path}"]
     run(train_command("configs/quickstart_multiturn.yaml", *overrides, "train.steps=4"), env=ENV)
     rows = metrics(tmp_path / "quickstart_multiturn")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -166,7 +166,7 @@ def test_the_two_turn_quickstart_learns(tmp_path, quickstart_servers):
     answer in turn 2: reward/mean from near chance to at least 0.8 (10-step mean) within 100 steps, and validation
     on held-out episodes agrees."""
     run(train_command("configs/quickstart_multiturn.yaml", "checkpoint.save_every=0", "eval.every=50",
-                      quickstart_servers, f"logging.output_dir={tmp_path}"), env=ENV)
+                      quickstart_servers.urls(), f"logging.output_dir={tmp_path}"), env=ENV)
     rows = metrics(tmp_path / "quickstart_multiturn")
     rewards = [r["reward/mean"] for r in rows]
     assert len(rewards) == 100

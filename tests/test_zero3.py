@@ -37,7 +37,7 @@ def zero3_command(out_dir, servers: str, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, quickstart_servers):
     out = tmp_path_factory.mktemp("zero3")
-    done = run(zero3_command(out, quickstart_servers), timeout=900)
+    done = run(zero3_command(out, quickstart_servers.urls()), timeout=900)
     return done, out / "quickstart"
 
 
@@ -74,7 +74,7 @@ def test_zero3_resumes_on_both_ranks_to_the_same_next_steps(zero3_run, quickstar
     _, run_dir = zero3_run
     shutil.copytree(run_dir, tmp_path / "quickstart")
     shutil.rmtree(tmp_path / "quickstart" / "checkpoints" / "step_4")
-    done = run(zero3_command(tmp_path, quickstart_servers, "--resume"), timeout=900)
+    done = run(zero3_command(tmp_path, quickstart_servers.urls(), "--resume"), timeout=900)
     assert "resuming at step 2" in done.stdout
     reference, resumed = metrics(run_dir), metrics(tmp_path / "quickstart")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
