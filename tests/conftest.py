@@ -124,29 +124,29 @@ class QuickstartServers:
     per test worker) held about 6 GB, and the SmolLM2 test's run was killed for memory."""
 
     def __init__(self, root: Path):
-        self.root, self.servers = root, []
+        self.root, self.running = root, None  # a ServerSet while started
 
     def urls(self) -> str:
         """`--set rollout.urls=[...]`, the pair started if it is not running."""
         from apmpo.config import load_config  # noqa: PLC0415
         from apmpo.quickstart import save_quickstart_model  # noqa: PLC0415
-        from apmpo.rollout.launcher import start_servers  # noqa: PLC0415
+        from apmpo.rollout.launcher import ServerSet, start_servers  # noqa: PLC0415
 
-        if not self.servers:
+        if self.running is None:
             cfg = load_config(str(TESTS.parent / "configs/quickstart.yaml"))
             model = self.root / "model"
             if not (model / "config.json").is_file():
                 save_quickstart_model(model, seed=cfg.train.seed)
-            self.servers = start_servers(
+            self.running = ServerSet(start_servers(
                 str(model), log_paths=[self.root / "server.0.log", self.root / "server.1.log"], devices=[None, None],
                 max_model_len=cfg.rollout.max_model_len, dtype=cfg.engine_dtype, seed=cfg.train.seed,
-                extra_args=("--enforce-eager",), overlap=cfg.overlap, ready_timeout_s=300)
-        return "rollout.urls=[" + ", ".join(server.url for server in self.servers) + "]"
+                extra_args=("--enforce-eager",), overlap=cfg.overlap, ready_timeout_s=300))
+        return "rollout.urls=[" + ", ".join(self.running.urls) + "]"
 
     def stop(self) -> None:
-        servers, self.servers = self.servers, []
-        for server in servers:
-            server.stop()
+        running, self.running = self.running, None
+        if running is not None:
+            running.stop()  # both at once
 
 
 _SERVER_PAIRS: list[QuickstartServers] = []
