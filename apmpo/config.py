@@ -145,6 +145,11 @@ class ModelConfig:
     # micro_batch_tokens (16384) of a 1.5B model does not fit in 80 GB without it; off on CPU (small models, where
     # the recomputation is only time).
     gradient_checkpointing: bool | None = None
+    # torch.compile (Inductor) of each decoder layer's MLP and RMSNorms, where the update's elementwise work is
+    # (apmpo/learner/compiled.py), for 5-40 s of compilation at start. Off by default: SmolLM2's fp32 update on a
+    # 2-core CPU is 81% matmul and gained 1.02x, and compiled values differ from eager ones in the last digits (a
+    # compiled run does not repeat an eager one exactly). Not with ZeRO-3 (its hooks gather parameters per module).
+    compile: bool = False
     # Vision-language models: freeze the vision encoder, train the merger (projector) and the language model.
     # Default on: RL rewards judge the text, a few thousand diagrams are too few to retrain a 670M-parameter
     # encoder, and freezing drops its gradients and Adam state (~8 GB at 3B scale).
@@ -441,6 +446,9 @@ class Config:
 
 def _check_zero(cfg: Config) -> None:
     t = cfg.train
+    if cfg.model.compile and t.zero_stage == 3:
+        raise ConfigError("model.compile needs train.zero_stage <= 2: ZeRO-3 gathers each module's parameters in "
+                          "hooks around its forward, which the compiler would have to trace")
     if t.offload_optimizer != "none" and t.zero_stage == 0:
         raise ConfigError("train.offload_optimizer: cpu needs train.zero_stage >= 1: ZeRO-Offload moves ZeRO's "
                           "partitioned optimiser state; stage 0 has none")

@@ -44,6 +44,8 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
     "step_time": (["--tiny"], rf"ratio apmpo/baseline speed: {TIMES}"),
     "compile": (["--model", TINY, "--prompts", "2", "--n", "2", "--tokens", "8", "--repeats", "1"],
                 rf"ratio compiled/eager speed: {TIMES}"),
+    "learner_compile": (["--model", TINY, "--prompts", "2", "--n", "2", "--prompt-tokens", "4", "--tokens", "8",
+                         "--repeats", "1"], rf"ratio compiled/eager speed: {TIMES}"),
     "servers": (SMALL_SERVE, rf"ratio 2 servers/1 server: tokens/s {TIMES}, push {TIMES}"),
     "lora": (["--config", "configs/quickstart.yaml", "--steps", "2", "--rank", "8", "--runs", "full,lora",
               "--set", "rollout.num_servers=1", "--set", "rollout.prompts_per_step=4", "--set", "train.mini_batch_size=2",

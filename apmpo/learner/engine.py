@@ -161,6 +161,10 @@ def load_model(path: str, cfg: Config, device: torch.device, trainable: bool = T
     if checkpoints_activations(cfg, device):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if cfg.model.compile:
+        from apmpo.learner.compiled import compile_elementwise
+
+        print(f"[apmpo] {compile_elementwise(model)}", flush=True)
     # from_pretrained returns eval mode, and transformers checkpoints activations only in train mode. Train
     # mode also turns dropout on: Qwen2/2.5 have none (attention_dropout 0), so log-probs are unchanged; a model
     # with dropout would make the ratio pi/pi_old noisy, hence the check.
