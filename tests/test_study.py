@@ -332,10 +332,11 @@ def test_the_committed_study_loads_and_reports_its_numbers():
     def numbers(part):
         if isinstance(part, dict):
             return {k: numbers(v) for k, v in part.items()
-                    if k not in ("vs_reference", "auc_vs_reference", "resamples", "loss", "answer")}
+                    if k not in ("vs_reference", "auc_vs_reference", "resamples", "loss", "answer", "machines")}
         return part
 
     assert numbers(built) == numbers(committed)
+    assert list(built["machines"]) == ["not recorded"] and len(built["machines"]["not recorded"]) == 36
     assert {m: info["loss"] for m, info in built["methods"].items()} == {
         "apmpo": "apmpo", "apmpo_bf16": "apmpo", "grpo": "grpo", "dapo": "dapo", "gmpo": "gmpo",
         "learner_bf16": "apmpo", "engine_bf16": "apmpo", "apmpo_bf16_dither": "apmpo", "apmpo_bf16_tis": "apmpo",
@@ -672,3 +673,27 @@ def test_a_run_is_checked_against_the_config_it_was_trained_with(tmp_path):
     check("checkpoint.save_every=3")
     with pytest.raises(StudyError, match=r"trained with another config: optim.lr \(was \[0.001\], now \[0.002\]\)"):
         check("optim.lr=0.002")
+
+
+def test_the_report_says_where_the_runs_ran(tmp_path):
+    one, other = "AMD EPYC, AVX2, 2 cores; torch 2.13.0+cpu, vllm 0.32.0", "AMD EPYC, AVX512, 2 cores; torch 2.13.0+cpu"
+    for method, seed, machines in [("grpo", 0, [one]), ("apmpo", 0, [one]), ("grpo", 1, [one, other]),
+                                   ("apmpo", 1, [])]:  # resumed on another machine; a record from before
+        write_run(tmp_path, {**fake_result(method, seed, [1, 2]), "machines": machines})
+    text = report.render(report.build(records.load_results(tmp_path), ["apmpo", "grpo"], "grpo"))
+    assert "**The runs span machines**" in text
+    assert f"- {one}: apmpo seed 0, grpo seed 0, grpo seed 1\n- not recorded: apmpo seed 1\n- {other}: grpo seed 1\n" \
+        in text
+    for seed in (0, 1):
+        (tmp_path / "runs" / "apmpo" / f"seed_{seed}" / "result.json").unlink()
+    (tmp_path / "runs" / "grpo" / "seed_1" / "result.json").unlink()
+    text = report.render(report.build(records.load_results(tmp_path), ["apmpo", "grpo"], "grpo"))
+    assert f"Every run on one machine: {one}." in text and "span machines" not in text
+
+
+def test_this_machine_names_the_cpu_its_vector_extensions_and_versions():
+    import torch
+
+    machine = records.this_machine()
+    assert torch.backends.cpu.get_cpu_capability() in machine and f"torch {torch.__version__}" in machine
+    assert f"{os.cpu_count()} cores" in machine and "vllm " in machine

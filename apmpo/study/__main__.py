@@ -102,6 +102,7 @@ class Run:
     cfg: object = None  # apmpo.config.Config, resolved at start: a bad config fails before anything runs
     started: float = field(default_factory=time.monotonic)  # this attempt's start
     before: float = 0.0  # seconds of the earlier attempts (elapsed.json when the study started)
+    machines: tuple[str, ...] = ()  # where its attempts ran, this one's included (elapsed.json's, then this one)
 
     @property
     def name(self) -> str:
@@ -248,8 +249,10 @@ def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]
                 cfg = load_config(settings.config, overrides)
             preflight.check(cfg)
             elapsed = run_dir / "elapsed.json"  # read now: a broken one stops the study before anything runs
-            before = records.read(elapsed, records.Elapsed).seconds if elapsed.is_file() else 0.0
-            run = Run(method, seed, methods[method], overrides, run_dir, cfg, before=before)
+            earlier = records.read(elapsed, records.Elapsed) if elapsed.is_file() else records.Elapsed(seconds=0.0)
+            machines = tuple(dict.fromkeys([*earlier.machines, records.this_machine()]))
+            run = Run(method, seed, methods[method], overrides, run_dir, cfg, before=earlier.seconds,
+                      machines=machines)
             _check_same_config(run)
             runs.append(run)
     return runs
@@ -363,7 +366,7 @@ def write_result(run: Run, settings: Settings, targets: list, best: dict | None)
         "steps": run.cfg.train.steps, "validation_key": key,
         "validation": [[s, m[key]] for s, m in metrics.items() if key and isinstance(m.get(key), (int, float))],
         "train_seconds": round(sum(m.get("time/step", 0.0) for m in metrics.values()), 1),
-        "seconds": round(_elapsed(run), 1), "eval": evals,
+        "seconds": round(_elapsed(run), 1), "eval": evals, "machines": list(run.machines),
     }
     write_atomic(run.result_path, json.dumps(result, indent=1) + "\n")
 
@@ -376,7 +379,7 @@ def _elapsed(run: Run) -> float:
 def _save_elapsed(run: Run) -> None:
     """elapsed.json, rewritten at every poll of the run (2 s): an attempt killed outright loses that much."""
     run.dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run.dir / "elapsed.json", json.dumps({"seconds": _elapsed(run)}) + "\n")
+    write_atomic(run.dir / "elapsed.json", json.dumps({"seconds": _elapsed(run), "machines": run.machines}) + "\n")
 
 
 def _correct_counts(eval_dir: Path) -> dict:

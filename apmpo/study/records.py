@@ -12,6 +12,7 @@ another's name.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,7 @@ class Study(Record):
 
 class Elapsed(Record):
     seconds: float = Field(ge=0)
+    machines: list[str] = Field(default_factory=list)  # this_machine() of each attempt, in order, once each
 
 
 class Benchmark(Record):
@@ -126,6 +128,7 @@ class Result(Record):
     train_seconds: float = Field(ge=0)
     seconds: float = Field(ge=0)  # wall time, every attempt and the evaluations
     eval: dict[Literal["last", "best"], Evaluation]
+    machines: list[str] = Field(default_factory=list)  # this_machine() of its attempts; [] before 2026-11-29
 
     @model_validator(mode="after")
     def _has_last(self) -> Result:
@@ -145,6 +148,31 @@ class TrainedConfig(BaseModel):
 
 
 R = TypeVar("R", bound=BaseModel)
+
+
+@functools.cache
+def this_machine() -> str:
+    """The CPU (model, vector extensions torch uses, cores), the GPUs and the torch and vLLM versions: what decides
+    a run's roundings. A rerun repeats a run to the last digit on one machine, not across machines (docs/study.md),
+    so the report says when a study's runs span several."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        vllm = version("vllm")
+    except PackageNotFoundError:
+        vllm = "none"
+    return (f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores"
+            + (f", {len(gpus)}x {gpus[0]}" if gpus else "") + f"; torch {torch.__version__}, vllm {vllm}")
 
 
 def read(path: Path, schema: type[R]) -> R:

@@ -135,9 +135,20 @@ def build(results: dict[str, dict[int, dict]], methods: list[str], reference: st
             if method != reference and ref_evals:
                 table[method]["vs_reference"] = _paired(evals, ref_evals)
         report["checkpoints"][which] = table
+    report["machines"] = _machines(results)
     if plan is not None:
         report["answer"] = answer(results, plan)
     return report
+
+
+def _machines(results: dict[str, dict[int, dict]]) -> dict[str, list[str]]:
+    """{machine: the runs with an attempt there}; runs recorded before machines were are under "not recorded"."""
+    out: dict[str, list[str]] = {}
+    for method, runs in results.items():
+        for seed, result in sorted(runs.items()):
+            for machine in result["machines"] or ["not recorded"]:
+                out.setdefault(machine, []).append(f"{method} seed {seed}")
+    return out
 
 
 def _benchmarks(evals: dict[int, dict]) -> list[str]:
@@ -275,6 +286,14 @@ def render(report: dict, title: str = "Study") -> str:
              "the probability of improvement (rliable's; ties count half) with its Clopper-Pearson interval.", ""]
     if report.get("answer"):
         lines += _answer(report["answer"])
+    machines = report.get("machines") or {}
+    if len(machines) == 1:
+        lines += [f"Every run on one machine: {next(iter(machines))}.", ""]
+    elif machines:
+        lines += ["**The runs span machines** (or some did not record theirs): a rerun repeats a run to the last "
+                  "digit on one machine, not across machines (other CPU kernels, other roundings), so a pair whose "
+                  "runs ran on different machines differs by more than its methods (docs/study.md). Where each ran:",
+                  ""] + [f"- {machine}: {', '.join(runs)}" for machine, runs in machines.items()] + [""]
     for which in CHECKPOINTS:
         table = report["checkpoints"].get(which)
         if not table:
