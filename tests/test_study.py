@@ -630,6 +630,7 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
         last = result["eval"]["last"]
         assert result["eval"]["best"] == last and not (out / "runs" / method / "seed_0" / "eval" / "best").exists()
         assert last["n"] == 4 and len(last["benchmarks"]["quickstart_val"]["correct"]) == 12
+        assert result["machines"] == [records.this_machine()]  # resumed on the same machine: one entry
     built = json.loads((out / "report.json").read_text())
     # grpo on the quickstart's loss.name apmpo trained grpo, as its config.yaml says and the report shows
     import yaml
@@ -642,6 +643,7 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
     assert vs["pairs"] == 1 and vs["low"] is None and vs["high"] is None  # one pair: no interval
     text = (out / "report.md").read_text()
     assert "| apmpo | 1 |" in text and "| grpo | 1 |" in text and "Δ Pass@1 vs grpo" in text
+    assert f"Every run on one machine: {records.this_machine()}." in text
     assert (out / "curves.png").stat().st_size > 10_000
     assert "checkpoints/" in (out / ".gitignore").read_text()
     # no process of the study is left
