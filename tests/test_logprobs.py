@@ -60,6 +60,14 @@ def grads_of(model, logp, weights):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def assert_grads_close(grads, ref_grads):
+    """fp32 sums in another order: errors ~1e-7 of a tensor's largest entry, so the tolerance scales with it."""
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+
+
 # --------------------------------------------------------------------------- values, entropy, gradients
 
 
@@ -79,13 +87,7 @@ def test_matches_naive_values_entropy_and_gradients(tied, chunk_tokens, temperat
     assert not entropy.requires_grad
     assert (logp[~batch[2]] == 0).all() and (entropy[~batch[2]] == 0).all()
 
-    grads = grads_of(model, logp, weights)
-    ref_grads = grads_of(model, ref_logp, weights)
-    assert grads.keys() == ref_grads.keys()
-    for name, grad in grads.items():
-        # fp32 sums in another order: errors ~1e-7 of the largest entry, so the tolerance scales with it.
-        scale = ref_grads[name].abs().max().item()
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+    assert_grads_close(grads_of(model, logp, weights), grads_of(model, ref_logp, weights))
 
 
 def test_no_grad_loops_chunks_with_the_same_values():
@@ -131,10 +133,7 @@ def test_rows_sharing_a_prompt_match_naive_values_entropy_and_gradients(tied, te
     ref_logp, ref_entropy = reference(model, *batch, temperature)
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
-    grads, ref_grads = grads_of(model, logp, weights), grads_of(model, ref_logp, weights)
-    for name, grad in grads.items():
-        scale = ref_grads[name].abs().max().item()
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+    assert_grads_close(grads_of(model, logp, weights), grads_of(model, ref_logp, weights))
 
 
 def test_a_shared_prompt_runs_once(monkeypatch):
@@ -179,10 +178,7 @@ def test_rows_sharing_a_prompt_with_one_token_completions(shape):
     logp, _ = token_logprobs(model, input_ids, attention_mask, logits_mask)
     ref_logp, _ = reference(model, input_ids, attention_mask, logits_mask, 1.0)
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
-    grads, ref_grads = grads_of(model, logp, weights), grads_of(model, ref_logp, weights)
-    for name, grad in grads.items():
-        scale = ref_grads[name].abs().max().item()
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+    assert_grads_close(grads_of(model, logp, weights), grads_of(model, ref_logp, weights))
 
 
 def test_gradient_checkpointing_forwards_whole_rows():
