@@ -2,7 +2,7 @@
 torch.compile, apmpo/learner/compiled.py), on the same rows, in alternation.
 
     python benchmarks/learner_compile.py                               # SmolLM2-135M-Instruct, fp32, the step's batch
-    python benchmarks/learner_compile.py --dtype bf16 --repeats 5
+    python benchmarks/learner_compile.py --dtype bf16 --repeats 5     # where bf16 is native (AVX512-BF16, AMX)
     python benchmarks/learner_compile.py --model PATH --prompts 2 --n 2 --tokens 8 --repeats 1   # CI's tiny size
 
 The rows are the step benchmark's shape (benchmarks/step_time.py --sizes smollm2): `--prompts` prompts of
