@@ -24,7 +24,8 @@ def models():
 
 def test_compiled_blocks_give_the_naive_values_and_gradients(models):
     eager, compiled, line = models
-    assert line.startswith("model.compile: 7 MLP and RMSNorm blocks compiled in ")  # 2 layers x (MLP + 2 norms) + the last norm
+    # 2 layers x (MLP + 2 norms) + the last norm
+    assert line.startswith("model.compile: 7 MLP and RMSNorm blocks compiled in ")
     batch = make_group_batch(len(tokenizer()), seed=2)
     weights = torch.randn(batch[0].shape, generator=torch.Generator().manual_seed(1))
     logp, entropy = token_logprobs(compiled, *batch, temperature=0.6, chunk_tokens=7, with_entropy=True)
