@@ -5,9 +5,9 @@ Why these blocks: the prompt-sharing forward's KV cache and 4-D masks break whol
 gain), and the whole backbone took 12 minutes to compile on a busy machine; the MLP's SiLU-and-multiply and
 RMSNorm's square, mean, rsqrt and scale are where the elementwise work is, and Inductor fuses each into one loop.
 What it buys depends on how much of the update is not matmul: SmolLM2-135M-Instruct's update in fp32 on a 2-core
-AVX2 CPU is 81% matmul, and compiling gained 1.02x (benchmarks/learner_compile.py, docs/benchmarks.md); a bf16 update on a CPU with
-AVX512-BF16 spent about 2 of its 6.5 s in elementwise work. Compiling takes 5-40 s once a process (Inductor caches
-its kernels on disk).
+AVX2 CPU is 81% matmul, and compiling gained 1.02x (benchmarks/learner_compile.py, docs/benchmarks.md); a bf16
+update on a CPU with AVX512-BF16 spent about 2 of its 6.5 s in elementwise work. Compiling takes 5-40 s once a
+process (Inductor caches its kernels on disk).
 
 Compiled values differ from eager ones by the order of fused float operations (about 1e-6 relative in fp32), so
 a compiled run does not repeat an eager one to the last digit; it repeats itself. The blocks are compiled and run
