@@ -14,10 +14,10 @@ Every figure is in points of pass@1 (variance in points squared). Sources:
 - the plateau: the train.seed runs continued to step 60 (the learning rate is constant): does the sd shrink?
 - a rerun: the study's seed-0 APMPO and GRPO runs again for 15 steps; their logged metrics compared number for
   number, and their completions' digests (rollouts.jsonl) with each other: how fast coupled trajectories part.
-- the pilots (studies/pilot_one_machine on arithmetic, studies/twostep_pilot on two-step problems): APMPO-GRPO
-  pairs run by `python -m apmpo.study` on one idle machine, with today's engine sampling: their paired sd on each
-  score, where each pair's trajectories part, and whether arithmetic's seed 0 repeats the spread runs of the same
-  cell to the last digit.
+- the pilots (studies/pilot_one_machine on arithmetic, studies/twostep_pilot on two-step problems) and the
+  pre-registered study (studies/apmpo_vs_grpo): APMPO-GRPO pairs run by `python -m apmpo.study` on one idle
+  machine, with today's engine sampling: their paired sd on each score, where each pair's trajectories part, and
+  whether arithmetic's seed 0 repeats the spread runs of the same cell to the last digit.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from apmpo.plot import read_metrics  # noqa: E402
 from apmpo.study import stats  # noqa: E402
 
 STUDY = ROOT / "studies" / "smollm2_arith" / "runs"
-PILOTS = {"pilot_one_machine": "arith_test", "twostep_pilot": "twostep_test"}  # study folder: its benchmark
+# study folder: its benchmark. The pilots, and the pre-registered study's pairs so far (its answer is its report's)
+PAIRED = {"pilot_one_machine": "arith_test", "twostep_pilot": "twostep_test", "apmpo_vs_grpo": "arith_test"}
 RUNS = ROOT / "studies" / "spread" / "runs"
 KEY = "val/arith_test/pass@1"
 
@@ -136,8 +137,8 @@ def training(score: dict[int, tuple[float, float]], ve: float) -> None:
               f"{np.std([np.mean(v) for v in tails.values()], ddof=1):.1f} ({len(tails)} runs)")
 
 
-def pilot(name: str, benchmark: str) -> None:
-    """A pilot's APMPO-GRPO pairs (studies/NAME, one idle machine): the paired difference on the last policy, the
+def pairs(name: str, benchmark: str) -> None:
+    """A study's APMPO-GRPO pairs (studies/NAME, one idle machine): the paired difference on the last policy, the
     validation's tail and its AUC; each pair's first step with a differing completion; its seed 0 against the
     spread runs of the same cell (arithmetic only)."""
     from apmpo.study import records, report
@@ -230,8 +231,8 @@ def main() -> None:
         va, vg = spread_run("apmpo_t0_d0_15")[0], spread_run("grpo_t0_d0_15")[0]
         both = [s for s in sorted(set(va) & set(vg)) if KEY in va[s] and KEY in vg[s]]
         print("  their validation: " + " ".join(f"{s}: {100 * va[s][KEY]:.1f}/{100 * vg[s][KEY]:.1f}" for s in both))
-    for name, benchmark in PILOTS.items():
-        pilot(name, benchmark)
+    for name, benchmark in PAIRED.items():
+        pairs(name, benchmark)
     print("planning at this design: "
           f"{stats.seeds_needed(d.std(ddof=1), 2.0)} seeds for +-2 points at the paired sd {d.std(ddof=1):.1f}")
 
