@@ -498,7 +498,8 @@ def test_a_parallel_run_starts_under_deepspeeds_launcher_from_this_interpreter(t
 @pytest.mark.parametrize("best_step, eval_best, evaluated, recorded", [
     (50, True, "eval best", None),  # the best checkpoint is another policy: evaluated too
     (50, False, None, {"last"}),  # --no-best: not evaluated, and the last policy is not recorded as the best
-    (100, False, None, {"last", "best"}),  # the best policy was the last one: its evaluation stands for both
+    (100, True, None, {"last", "best"}),  # the best policy was the last one: its evaluation stands for both
+    (100, False, None, {"last"}),  # not under --no-best: a best table of the runs whose best came last is a selection
 ])
 def test_the_best_checkpoint_is_evaluated_unless_no_best(tmp_path, best_step, eval_best, evaluated, recorded):
     from apmpo.config import load_config

@@ -357,7 +357,9 @@ def write_result(run: Run, settings: Settings, targets: list, best: dict | None)
     evals = {}
     for which, _, step in targets:
         evals[which] = {"step": step, **_correct_counts(run.dir / "eval" / which)}
-    if best is not None and best["step"] == evals["last"]["step"]:  # the best policy was the last one
+    # The best policy was the last one: its evaluation stands for both. Not under --no-best: the best table would
+    # then hold just the runs whose best came last, a selection.
+    if settings.eval_best and best is not None and best["step"] == evals["last"]["step"]:
         evals["best"] = evals["last"]
     metrics = _read_metrics(run.dir / "metrics.jsonl")
     key = run.cfg.checkpoint.keep_best
