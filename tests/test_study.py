@@ -337,6 +337,7 @@ def test_the_committed_study_loads_and_reports_its_numbers():
 
     assert numbers(built) == numbers(committed)
     assert list(built["machines"]) == ["not recorded"] and len(built["machines"]["not recorded"]) == 36
+    assert "Where the runs ran: not recorded (runs before 2026-11-29)." in report.render(built)
     assert {m: info["loss"] for m, info in built["methods"].items()} == {
         "apmpo": "apmpo", "apmpo_bf16": "apmpo", "grpo": "grpo", "dapo": "dapo", "gmpo": "gmpo",
         "learner_bf16": "apmpo", "engine_bf16": "apmpo", "apmpo_bf16_dither": "apmpo", "apmpo_bf16_tis": "apmpo",

@@ -287,7 +287,9 @@ def render(report: dict, title: str = "Study") -> str:
     if report.get("answer"):
         lines += _answer(report["answer"])
     machines = report.get("machines") or {}
-    if len(machines) == 1:
+    if list(machines) == ["not recorded"]:
+        lines += ["Where the runs ran: not recorded (runs before 2026-11-29).", ""]
+    elif len(machines) == 1:
         lines += [f"Every run on one machine: {next(iter(machines))}.", ""]
     elif machines:
         lines += ["**The runs span machines** (or some did not record theirs): a rerun repeats a run to the last "
