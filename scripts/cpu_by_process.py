@@ -48,13 +48,14 @@ def descendants(root: int) -> dict[int, str]:
                 cmd[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except (OSError, IndexError, ValueError):
                 continue
+    children: dict[int, list[int]] = defaultdict(list)
+    for child, p in parent.items():
+        children[p].append(child)
     found, frontier = {}, [root]
     while frontier:
-        pid = frontier.pop()
-        for child, p in parent.items():
-            if p == pid and child not in found:
-                found[child] = cmd.get(child, "")
-                frontier.append(child)
+        for child in children[frontier.pop()]:
+            found[child] = cmd.get(child, "")
+            frontier.append(child)
     return found
 
 
@@ -94,15 +95,15 @@ def main() -> int:
     seen: dict[tuple[int, float], dict] = {}  # (pid, first seen): its kind, command and last CPU reading
     started: dict[int, float] = {}
     while child.poll() is None:
-        for pid, cmdline in descendants(os.getpid()).items():  # the command, its tree, and orphans reparented here
+        tree = descendants(os.getpid())  # the command, its tree, and orphans reparented here
+        for pid, cmdline in tree.items():
             cpu = cpu_seconds(pid)
             if cpu is None:
                 continue
             key = (pid, started.setdefault(pid, time.time()))
             seen.setdefault(key, {"kind": kind(cmdline), "command": cmdline[:300], "cpu_s": 0.0})["cpu_s"] = cpu
         reap_orphans(child.pid)
-        alive = {pid for pid, _ in seen if Path(f"/proc/{pid}").exists()}
-        started = {pid: t for pid, t in started.items() if pid in alive}  # a reused pid is a new process
+        started = {pid: t for pid, t in started.items() if pid in tree}  # gone from the tree: a reused pid is new
         time.sleep(args.every)
     wall = time.time() - start
     by_kind: dict[str, list[float]] = defaultdict(list)
