@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from apmpo import preflight
 from apmpo.config import ConfigError, load_config
 from apmpo.learner.engine import check_devices, cpu_threads, load_model
 from apmpo.rollout.net import free_port
@@ -115,12 +116,11 @@ def test_shared_gpu_with_forced_nccl_is_refused():
         check_devices(gpu_config("0", weight_sync="nccl"), env={"LOCAL_SIZE": "1"}, gpu_count=1)
 
 
-def test_cli_refuses_gpu_config_on_a_cpu_machine():
-    done = subprocess.run([sys.executable, "launch/train.py", "--config", "configs/quickstart.yaml",
-                           "--set", "rollout.devices=3", "--set", "rollout.num_servers=1"],  # the quickstart has 2
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "bad config: rollout.devices='3' names GPUs, but this learner sees no CUDA device" in done.stderr
+def test_gpu_config_is_refused_on_a_cpu_machine():
+    """As launch/train.py checks a config before anything starts (a ConfigError: one line, exit 2)."""
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["rollout.devices=3", "rollout.num_servers=1"])  # it has 2
+    with pytest.raises(ConfigError, match="rollout.devices='3' names GPUs, but this learner sees no CUDA device"):
+        preflight.check(cfg, cfg.train.resume)
 
 
 def saved_activation_bytes(model, ids):

