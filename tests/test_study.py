@@ -103,6 +103,24 @@ def test_a_plan_on_the_tail_scores_each_pair_by_its_curves_second_half(tmp_path,
     assert "--score tail --halfwidth 2" in out
 
 
+def test_a_plan_from_pairs_that_all_differ_alike_gives_no_seed_count(tmp_path, capsys):
+    """The first two pairs of studies/apmpo_vs_grpo differed by exactly 37/128 on the tail, both: sd 0, which a plan
+    would have read as 2 seeds."""
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"apmpo": ("loss.name=apmpo",)}, None)
+    for seed, (a, g) in enumerate([(80, 79), (70, 72)]):
+        for method, points in (("apmpo", a), ("grpo", g)):
+            curve = ((5, 0.1), (10, 0.5 + 0.1 * seed + 0.03 * (method == "apmpo")))
+            write_run(tmp_path, fake_result(method, seed, [1] * points + [0] * (100 - points), n=1, validation=curve))
+    assert main(["--out", str(tmp_path), "--plan", "--halfwidth", "2", "--methods", "apmpo"]) == 0
+    out = capsys.readouterr().out
+    assert "+-2 points at the pilot's sd 2.1: " in out  # last: +1 and -2, sd 2.1
+    assert "--score tail instead: sd 0.0, every pair differs by the same amount: no spread to plan from" in out
+    assert main(["--out", str(tmp_path), "--plan", "--halfwidth", "2", "--methods", "apmpo", "--score", "tail"]) == 0
+    out = capsys.readouterr().out
+    assert "sd of the paired difference 0.0" in out and "seeds, about" not in out.split("--score")[0]
+    assert "every pair differs by the same amount" in out and "to ask it" not in out
+
+
 def test_iqm_trims_a_quarter_at_each_end():
     assert report.iqm([4.0, 1.0, 3.0, 2.0]) == 2.5  # (2 + 3) / 2
     assert report.iqm([1.0, 2.0, 30.0]) == 11.0  # fewer than 4 runs: nothing trimmed, the mean

@@ -642,8 +642,17 @@ def print_plan(out: Path, args: argparse.Namespace) -> None:
     print(f"pilot: {pilot.n} pairs of {method} - {args.reference} on {args.score}: {pilot.mean:+.1f} points "
           f"[{pilot.low:+.1f}, {pilot.high:+.1f}] (95% paired t), sd of the paired difference {pilot.sd:.1f}; "
           f"{per_pair / 60:.0f} minutes a pair")
+    # Pairs that all differ by the same amount (scores are counts of problems: it happens on few pairs) measure no
+    # spread, and a plan at sd 0 would ask for the fewest seeds: none is given.
+    no_spread = "every pair differs by the same amount: no spread to plan from yet; finish more pairs"
+
+    def spread(pilot: stats.Interval) -> bool:  # sd above rounding: the scores' differences are sums of fractions
+        return pilot.sd > 1e-9
+
+    if not spread(pilot):
+        print(f"  {no_spread}")
     for what, n in [(f"at the pilot's sd {pilot.sd:.1f}", plan.seeds),
-                    (f"at its 80% upper bound {plan.sd_bound:.1f}", plan.seeds_at_bound)]:
+                    (f"at its 80% upper bound {plan.sd_bound:.1f}", plan.seeds_at_bound)] * spread(pilot):
         print(f"  +-{args.halfwidth:g} points {what}: {n} seeds, about {plan.hours(n):.0f} hours of runs")
     # The score is part of the question, so it is chosen here, before the study: by what the pilot says it costs.
     for other in (s for s in records.SCORES if s != args.score):
@@ -651,8 +660,11 @@ def print_plan(out: Path, args: argparse.Namespace) -> None:
             alt = planned(other)
         except records.RecordError:  # no validation curve: no curve score
             continue
-        print(f"  --score {other} instead: sd {alt.pilot.sd:.1f}, {alt.seeds} seeds (about {alt.hours(alt.seeds):.0f} "
-              f"hours), {alt.seeds_at_bound} at its 80% upper bound{' (it scores learning speed)' * (other == 'auc')}")
+        print(f"  --score {other} instead: sd {alt.pilot.sd:.1f}, " + (
+            f"{alt.seeds} seeds (about {alt.hours(alt.seeds):.0f} hours), {alt.seeds_at_bound} at its 80% upper "
+            f"bound{' (it scores learning speed)' * (other == 'auc')}" if spread(alt.pilot) else no_spread))
+    if not spread(pilot):
+        return
     config = records.read(out / "study.json", records.Study).settings.config
     print(f"to ask it (the plan is fixed in study.json before the first run; the answer is read on these seeds):\n"
           f"  python -m apmpo.study --config {config} --out NEW_FOLDER --methods {method},{args.reference} "
