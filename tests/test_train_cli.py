@@ -81,7 +81,7 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
         assert process.returncode == 2 and stderr.startswith("apmpo: bad config: ") and message in stderr, stderr
         assert stderr.count("\n") == 1, stderr  # one line
         # No run directory: nothing was written and no server started. The bound only says they failed as they
-        # loaded: on two cores shared with the other test worker the five took 54-62 s in the suite.
+        # loaded (on two cores shared with the other test worker, five such launches took 54-62 s in the suite).
         assert time.time() - start < 100 and not (tmp_path / "runs").exists()
 
 
