@@ -14,6 +14,8 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 from apmpo.tiny import save_perturbed_copy, save_tiny_model
 
+pytest_plugins = ("cpu_time", "pytester")  # cpu_time: --cpu-durations (pytest.ini), the tests that cost the most CPU
+
 TESTS = Path(__file__).resolve().parent
 
 # pytest-xdist builds a session fixture once per worker that uses it. The files sharing one (a training run, a pair

@@ -1,0 +1,55 @@
+"""`--cpu-durations N`: the N tests that cost the most CPU seconds, beside pytest's --durations (wall time).
+
+The suite is CPU-bound on two cores, so its wall time follows its CPU seconds, and a test's wall time says little
+about its cost: it also counts the other worker's load. Each phase (setup, call, teardown) is charged the CPU of the
+test's process and of every process it started and waited for in that phase, grandchildren included
+(os.times(): RUSAGE_CHILDREN counts a child once it is reaped). So a session fixture's servers are charged to the
+teardown that stops them, and a process no one waits for (an orphaned engine core) to no test. The figures travel
+with the test reports, so they are summed across pytest-xdist workers.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-durations", type=int, default=0, metavar="N",
+                     help="show the N tests that cost the most CPU seconds (with the processes they waited for)")
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    # makereport runs right after each phase; the phase began at call.start, when the last mark was taken
+    outcome = yield
+    now = _cpu_s()
+    outcome.get_result().user_properties.append(("cpu_s", now - getattr(item, "_cpu_mark", now)))
+    item._cpu_mark = now
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item._cpu_mark = _cpu_s()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    count = config.getoption("cpu_durations")
+    if not count:
+        return
+    per_test, total = defaultdict(float), 0.0
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == "cpu_s":
+                    per_test[report.nodeid] += value
+                    total += value
+    terminalreporter.write_sep("=", f"most CPU seconds (tests {total:.0f} s in all)")
+    for nodeid, seconds in sorted(per_test.items(), key=lambda kv: -kv[1])[:count]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {nodeid}")
