@@ -204,6 +204,33 @@ def test_the_answer_is_read_on_the_planned_seeds_once_all_have_finished(tmp_path
     assert report.answer(records.load_results(tmp_path), plan_of(range(8), 2.0))["verdict"] == "difference"
 
 
+def test_separation_is_the_first_step_whose_completions_differ():
+    a = {1: [1, 2, 3, 4], 2: [5, 6, 7, 8], 3: [9, 9, 9, 9], 4: [1, 1, 1, 1]}
+    b = {1: [1, 2, 3, 4], 2: [5, 0, 7, 0], 3: [0, 9, 0, 0], 4: [0, 0, 0, 0], 5: [1]}  # step 5: a never logged it
+    assert report.separation(a, b) == {"step": 2, "alike": 2, "of": 4, "last_step": 4, "none_alike_from": 4}
+    assert report.separation(a, {**a, 3: [0, 0, 0, 0], 4: [1, 0, 0, 0]}) == {
+        "step": 3, "alike": 0, "of": 4, "last_step": 4, "none_alike_from": 3}
+    assert report.separation(a, {s: v[:] for s, v in a.items()}) == {
+        "step": None, "alike": None, "of": None, "last_step": 4, "none_alike_from": None}
+    assert report.separation(a, {}) is None  # runs from before digests were logged
+
+
+def test_the_report_lists_each_pair_and_where_its_completions_parted(tmp_path):
+    for seed, (a, g) in enumerate([(80, 79), (70, 72)]):
+        for method, points, steps in (("apmpo", a, ([7, 8], [1, 2], [3, 4])), ("grpo", g, ([7, 8], [1, 0], [0, 0]))):
+            run_dir = write_run(tmp_path, fake_result(method, seed, [1] * points + [0] * (100 - points), n=1)).parent
+            if seed == 0:  # seed 1: a pair from before the digests were logged
+                (run_dir / "rollouts.jsonl").write_text("".join(
+                    json.dumps({"step": step, "crc32": crc}) + "\n" for step, crc in enumerate(steps, 1)))
+    report.write(tmp_path, ["apmpo", "grpo"], "grpo", "t", plan_of([0, 1, 2]))
+    text = (tmp_path / "report.md").read_text()
+    assert "| seed | apmpo | grpo | difference | completions first differ |" in text
+    assert "| 0 | 80.0 | 79.0 | +1.0 | step 2 (1 of 2 alike), none alike from step 3 |" in text
+    assert "| 1 | 70.0 | 72.0 | -2.0 | – |" in text
+    pairs = json.loads((tmp_path / "report.json").read_text())["answer"]["pairs"]
+    assert [p["seed"] for p in pairs] == [0, 1] and pairs[0]["separation"]["step"] == 2
+
+
 def test_the_question_is_fixed_before_the_first_run(tmp_path):
     args = parse_args(["--out", str(tmp_path), "--methods", "apmpo,grpo", "--seeds", "0-3", "--halfwidth", "2"])
     assert args.seeds == [0, 1, 2, 3]

@@ -13,6 +13,7 @@ another's name.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +215,14 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------- the study's finished runs
+
+
+def digests(run_dir: Path) -> dict[int, list[int]]:
+    """A run's completion digests by step (RUN_DIR/rollouts.jsonl, apmpo/learner/driver.py: a CRC-32 of each trained
+    completion's token ids, in batch order); {} without the file."""
+    path = run_dir / "rollouts.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return {row["step"]: row["crc32"] for row in rows}
 
 
 def load_results(study: Path) -> dict[str, dict[int, dict]]:

@@ -111,9 +111,10 @@ def mean_std(values: list[float]) -> dict:
 
 
 def build(results: dict[str, dict[int, dict]], methods: list[str], reference: str,
-          plan: records.Plan | None = None) -> dict:
+          plan: records.Plan | None = None, separations: dict[int, dict | None] | None = None) -> dict:
     """report.json's content: per checkpoint, per method, per benchmark Pass@1 / Pass@k (mean ± std, IQM), their
-    average over benchmarks, the paired difference from `reference` with its interval; and the validation AUC."""
+    average over benchmarks, the paired difference from `reference` with its interval; the validation AUC; and the
+    answer to the plan's question, if any (`separations`: answer's)."""
     methods = [m for m in methods if m in results] + sorted(set(results) - set(methods))
     report: dict = {"reference": reference, "methods": {}, "checkpoints": {}}
     for method in methods:
@@ -137,7 +138,7 @@ def build(results: dict[str, dict[int, dict]], methods: list[str], reference: st
         report["checkpoints"][which] = table
     report["machines"] = _machines(results)
     if plan is not None:
-        report["answer"] = answer(results, plan)
+        report["answer"] = answer(results, plan, separations)
     return report
 
 
@@ -230,17 +231,39 @@ def scores(runs: dict[int, dict], seeds: list[int], score: str) -> list[np.ndarr
     return _pass_rates(last, seeds, _benchmarks(last), 1)
 
 
-def answer(results: dict[str, dict[int, dict]], plan: records.Plan) -> dict:
+def separation(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict | None:
+    """Where two runs' trained completions part (their digests by step, records.digests): the first step at which
+    any differs ("step", None if none did), how many of its completions were still alike, the first step at which
+    none was (None if some stayed alike), and the last step both logged. None when they share no logged step."""
+    steps = sorted(set(a) & set(b))
+    if not steps:
+        return None
+    alike = {s: sum(x == y for x, y in zip(a[s], b[s])) for s in steps}
+    size = {s: max(len(a[s]), len(b[s])) for s in steps}
+    first = next((s for s in steps if alike[s] < size[s]), None)
+    return {"step": first, "alike": None if first is None else alike[first],
+            "of": None if first is None else size[first], "last_step": steps[-1],
+            "none_alike_from": None if first is None else next((s for s in steps if s >= first and not alike[s]), None)}
+
+
+def answer(results: dict[str, dict[int, dict]], plan: records.Plan,
+           separations: dict[int, dict | None] | None = None) -> dict:
     """The pre-registered question on the plan's seeds: its difference once any pair has finished, and the verdict
     once all have: "difference" (the interval excludes 0), "equal" (it lies within +-halfwidth), "wider" (neither:
-    the spread was larger than planned); before that "interim"."""
+    the spread was larger than planned); before that "interim". Also each finished pair: both runs' scores, their
+    difference, and where their completions parted (`separations` by seed: `separation`'s)."""
     ours, theirs = results.get(plan.method, {}), results.get(plan.reference, {})
     done = [s for s in plan.seeds if s in ours and s in theirs]
     out = {"plan": plan.model_dump(), "finished": done,
            "outside_plan": sorted((set(ours) & set(theirs)) - set(plan.seeds)), "verdict": "interim"}
     if not done:
         return out
-    d = out["difference"] = paired_difference(scores(ours, done, plan.score), scores(theirs, done, plan.score))
+    mine, reference = scores(ours, done, plan.score), scores(theirs, done, plan.score)
+    d = out["difference"] = paired_difference(mine, reference)
+    per_seed = [np.mean([x.mean(axis=1) for x in arrays], axis=0) for arrays in (mine, reference)]
+    out["pairs"] = [{"seed": s, "method": float(m), "reference": float(r), "difference": diff,
+                     "separation": (separations or {}).get(s)}
+                    for s, m, r, diff in zip(done, *per_seed, d["per_seed"], strict=True)]
     if len(done) == len(plan.seeds):
         h = plan.halfwidth / 100
         out["verdict"] = ("difference" if d["significant"] else
@@ -371,7 +394,20 @@ def _answer(a: dict) -> list[str]:
     lines.append(verdict)
     if a["outside_plan"]:
         lines.append(f"Seeds {_seeds(a['outside_plan'])} are not in the plan: in the tables below, not in the answer.")
-    return lines + [""]
+    lines += ["", "Each pair (points); where the two runs' trained completions first differed, sampled with the same "
+                  "random numbers (RUN_DIR/rollouts.jsonl):", ""]
+    rows = [[str(p["seed"]), f"{100 * p['method']:.1f}", f"{100 * p['reference']:.1f}",
+             f"{100 * p['difference']:+.1f}", _separation(p["separation"])] for p in a["pairs"]]
+    return lines + _table(["seed", m, ref, "difference", "completions first differ"], rows) + [""]
+
+
+def _separation(s: dict | None) -> str:
+    if s is None:  # no digests: runs from before they were logged
+        return "–"
+    if s["step"] is None:
+        return f"none differed (to step {s['last_step']})"
+    text = f"step {s['step']} ({s['alike']} of {s['of']} alike)"
+    return text + (f", none alike from step {s['none_alike_from']}" if s["none_alike_from"] is not None else "")
 
 
 def _seeds(seeds: list[int]) -> str:
@@ -387,7 +423,11 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def write(study: Path, methods: list[str], reference: str, title: str, plan: records.Plan | None = None) -> dict:
     """report.json and report.md in the study folder, from its finished runs."""
-    report = build(records.load_results(study), methods, reference, plan)
+    results = records.load_results(study)
+    separations = None if plan is None else {
+        s: separation(*(records.digests(study / "runs" / m / f"seed_{s}") for m in (plan.method, plan.reference)))
+        for s in plan.seeds}
+    report = build(results, methods, reference, plan, separations)
     records.write_atomic(study / "report.json", json.dumps(report, indent=1) + "\n")
     records.write_atomic(study / "report.md", render(report, title))
     return report

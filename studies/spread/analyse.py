@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from apmpo.plot import read_metrics  # noqa: E402
-from apmpo.study import stats  # noqa: E402
+from apmpo.study import records, report, stats  # noqa: E402
 
 STUDY = ROOT / "studies" / "smollm2_arith" / "runs"
 # study folder: its benchmark. The pilots, and the pre-registered study's pairs so far (its answer is its report's)
@@ -71,13 +71,6 @@ def spread_run(name: str) -> tuple[dict[int, dict], float | None]:
     metrics = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else {}
     evaluation = spread_eval(name)
     return metrics, 100 * evaluation["pass@1"]["mean"] if evaluation else None
-
-
-def digests(run_dir: Path) -> dict[int, list[int]]:
-    """A run's completion digests by step (RUN_DIR/rollouts.jsonl); {} without the file."""
-    path = run_dir / "rollouts.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    return {row["step"]: row["crc32"] for row in rows}
 
 
 def training(score: dict[int, tuple[float, float]], ve: float) -> None:
@@ -141,8 +134,6 @@ def pairs(name: str, benchmark: str) -> None:
     """A study's APMPO-GRPO pairs (studies/NAME, one idle machine): the paired difference on the last policy, the
     validation's tail and its AUC; each pair's first step with a differing completion; its seed 0 against the
     spread runs of the same cell (arithmetic only)."""
-    from apmpo.study import records, report
-
     folder = ROOT / "studies" / name
     if not folder.is_dir():
         return
@@ -159,7 +150,7 @@ def pairs(name: str, benchmark: str) -> None:
         print(f"  {score:5s} " + " ".join(f"{x:+.1f}" for x in d) + f": mean {d.mean():+.1f}{sd}")
     for s in seeds:
         a, g = runs["apmpo"][s], runs["grpo"][s]
-        da, dg = (digests(folder / "runs" / m / f"seed_{s}") for m in ("apmpo", "grpo"))
+        da, dg = (records.digests(folder / "runs" / m / f"seed_{s}") for m in ("apmpo", "grpo"))
         part = next((step for step in sorted(set(da) & set(dg)) if da[step] != dg[step]), None)
         va, vg = validation(a), validation(g)
         rho = np.corrcoef([va[k] for k in sorted(va)], [vg[k] for k in sorted(vg)])[0, 1]
@@ -223,7 +214,7 @@ def main() -> None:
         print(f"  grpo: {len(steps)} steps, {len(keys)} metrics each: "
               + ("every value equal" if first is None else f"first difference at step {first}")
               + f"; rewards and lengths {'equal' if same_samples else 'differ'} on every step")
-    da, dg = digests(RUNS / "apmpo_t0_d0_15"), digests(RUNS / "grpo_t0_d0_15")
+    da, dg = records.digests(RUNS / "apmpo_t0_d0_15"), records.digests(RUNS / "grpo_t0_d0_15")
     if da and dg:
         same = [(s, np.mean([x == y for x, y in zip(da[s], dg[s])])) for s in sorted(set(da) & set(dg))]
         print("APMPO and GRPO on seed 0, share of identical completions by step: "
