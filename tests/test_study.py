@@ -605,9 +605,14 @@ def test_bad_method_or_override_fails_before_anything_runs(tmp_path, capsys, mon
         command = [sys.executable, "-m", "apmpo.study", "--config", "configs/quickstart.yaml", "--methods", "grpo"]
         shells = [subprocess.Popen([*command, *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
                   for args in (["--out", str(out), "--set", "loss.gama=1"], ["--out", str(tmp_path / "busy")])]
-        (bad_config, busy) = [(shell.wait(timeout=120), shell.stderr.read()) for shell in shells]
-    assert bad_config[0] == 2 and "bad config" in bad_config[1] and "loss.gama" in bad_config[1]
-    assert busy[0] == 2 and f"another apmpo.study (pid {os.getpid()}) is running" in busy[1]
+        try:
+            (bad_config, busy) = [(shell.communicate(timeout=300)[1], shell.returncode) for shell in shells]
+        finally:  # before the lock is let go: a refusal that timed out would otherwise go on and train
+            for shell in shells:
+                shell.kill()
+                shell.wait()
+    assert bad_config[1] == 2 and "bad config" in bad_config[0] and "loss.gama" in bad_config[0]
+    assert busy[1] == 2 and f"another apmpo.study (pid {os.getpid()}) is running" in busy[0]
     assert not (tmp_path / "busy" / "study.json").exists()
     monkeypatch.chdir(ROOT)
 
