@@ -651,9 +651,10 @@ def print_plan(out: Path, args: argparse.Namespace) -> None:
 
     if not spread(pilot):
         print(f"  {no_spread}")
-    for what, n in [(f"at the pilot's sd {pilot.sd:.1f}", plan.seeds),
-                    (f"at its 80% upper bound {plan.sd_bound:.1f}", plan.seeds_at_bound)] * spread(pilot):
-        print(f"  +-{args.halfwidth:g} points {what}: {n} seeds, about {plan.hours(n):.0f} hours of runs")
+    else:
+        for what, n in [(f"at the pilot's sd {pilot.sd:.1f}", plan.seeds),
+                        (f"at its 80% upper bound {plan.sd_bound:.1f}", plan.seeds_at_bound)]:
+            print(f"  +-{args.halfwidth:g} points {what}: {n} seeds, about {plan.hours(n):.0f} hours of runs")
     # The score is part of the question, so it is chosen here, before the study: by what the pilot says it costs.
     for other in (s for s in records.SCORES if s != args.score):
         try:
