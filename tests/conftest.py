@@ -53,6 +53,28 @@ def pytest_xdist_make_scheduler(config, log):
 
     return ByGroup(config, log)
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_servers(request, tmp_path_factory):
+    """Every CPU server this worker's tests start, directly or through a run, is forked from one warm process that
+    has imported vLLM (apmpo/rollout/warm.py): about 14 CPU seconds less each, on some 60 servers a suite. A test
+    of a fresh start removes APMPO_WARM_SERVERS from its environment. Without slow tests (-m "not slow"), whose
+    runs and servers these are, no warm process: its own imports would cost more than it saves."""
+    from apmpo.rollout.warm import WARM_SERVERS_ENV, warm_servers  # noqa: PLC0415
+
+    if not any(item.get_closest_marker("slow") for item in request.session.items):
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("warm")
+    # The OpenMP threads the launcher gives a CPU server of the tiny models here, where the suite sets none (-n 0)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with warm_servers(folder / "servers.sock", folder / "warm.log", env) as path:
+        os.environ[WARM_SERVERS_ENV] = str(path)
+        try:
+            yield path
+        finally:
+            del os.environ[WARM_SERVERS_ENV]
+
+
 # The session's servers: one token, and caps that every module using them fits in (a request over one is a 400).
 SERVER_TOKEN = "test-token"
 SERVER_LIMITS = dict(max_prompts=4096, max_n=64, max_tokens=200, generate_timeout_s=15)

@@ -8,6 +8,7 @@ the one test that needs them; one eager server (--enforce-eager) serves the eage
 import glob
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable, client as client_module, weight_sync
+from apmpo.cpu_memory import with_one_arena
+from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable, client as client_module, warm, weight_sync
 from apmpo.rollout.launcher import ServerSet, ServerStartError, start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.weight_sync import SHM_DIR
@@ -77,6 +79,35 @@ def test_a_cpu_server_allocates_from_one_kept_heap(tied_server):
     assert b"GLIBC_TUNABLES=glibc.malloc.arena_max=1" in environ
     # the warning of a server started by hand without it (test_server_reliability) is not printed here
     assert "started without GLIBC_TUNABLES" not in tied_server.log_path.read_text()
+
+
+# --- servers forked from the warm process (apmpo/rollout/warm.py; tests/conftest.py starts one per worker) ---
+
+
+def test_a_forked_server_generates_as_one_started_afresh(client, tied_server, tiny_tied, tmp_path, monkeypatch):
+    pid = tied_server.process.pid
+    assert isinstance(tied_server.process, warm.ForkedProcess)
+    assert os.getsid(pid) == os.getpgid(pid) == pid  # the leader of its session and group, as a started server is
+    assert Path(f"/proc/{pid}/cwd").resolve() == Path.cwd().resolve()
+    monkeypatch.delenv(warm.WARM_SERVERS_ENV)
+    fresh = start_test_server(tiny_tied, tmp_path / "fresh.log")
+    try:
+        assert isinstance(fresh.process, subprocess.Popen)
+        with GenerationClient(fresh.url, token=TOKEN) as fresh_client:
+            ours, theirs = (c.generate(PROMPTS, Sampling(max_tokens=12), n=2, seed=5) for c in (client, fresh_client))
+        assert [[(s.token_ids, s.logprobs) for s in row] for row in ours] == \
+            [[(s.token_ids, s.logprobs) for s in row] for row in theirs]
+    finally:
+        fresh.stop()
+
+
+def test_a_server_whose_startup_settings_differ_from_the_warm_process_starts_afresh(tied_server, tmp_path):
+    # libgomp reads OMP_NUM_THREADS as a process starts: a fork would keep the warm process's value
+    env = {**os.environ, "GLIBC_TUNABLES": with_one_arena(os.environ.get("GLIBC_TUNABLES")), "OMP_NUM_THREADS": "7"}
+    with open(tmp_path / "server.log", "wb") as log:
+        assert warm.fork_server(["--model", "m"], env, log.fileno(), ()) is None
+    assert (tmp_path / "server.log").read_text() == \
+        "[apmpo] started afresh, not forked: the warm process started with other OMP_NUM_THREADS\n"
 
 
 def test_stop_token_finishes_with_stop(client):

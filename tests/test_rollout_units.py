@@ -8,6 +8,7 @@ import torch
 from fastapi import HTTPException
 from pydantic import ValidationError
 
+from apmpo.rollout import warm
 from apmpo.rollout.net import OneThread, is_loopback
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
 from apmpo.rollout.weight_sync import (SHM_DIR, WeightGroup, pack, plan_buckets, receive_buckets, select_transport,
@@ -191,3 +192,14 @@ def test_the_lm_heads_dtype_is_a_server_flag_of_one_value(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--head-dtype", "bfloat16"])
     assert "invalid choice: 'bfloat16'" in capsys.readouterr().err
+
+
+def test_a_server_is_started_afresh_where_no_warm_process_answers(tmp_path, monkeypatch):
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        monkeypatch.delenv(warm.WARM_SERVERS_ENV, raising=False)
+        assert warm.fork_server(["--model", "m"], dict(os.environ), out.fileno(), ()) is None  # none named: silent
+        monkeypatch.setenv(warm.WARM_SERVERS_ENV, str(tmp_path / "nobody.sock"))
+        assert warm.fork_server(["--model", "m"], dict(os.environ), out.fileno(), ()) is None
+    assert log.read_text().startswith(f"[apmpo] started afresh, not forked: no answer from the warm process at "
+                                      f"{tmp_path / 'nobody.sock'}: [Errno 2]")

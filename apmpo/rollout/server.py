@@ -48,6 +48,7 @@ import asyncio
 import hmac
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -442,10 +443,20 @@ def follow_launcher(launcher_pid: int, poll_s: float = 0.5) -> None:
     """For a server started by apmpo.rollout.launcher (the leader of its own process group): when the launching
     process is gone, even killed by SIGKILL, take the whole group down. vLLM's EngineCore and worker processes
     are in that group, and nothing else would stop them: they outlived a killed trainer and kept their memory.
-    A server started by hand does not follow its shell (nohup keeps working)."""
+    A server started by hand does not follow its shell (nohup keeps working). The launcher is watched through a
+    pidfd, opened here, while the launcher waits for this server: a server forked from a warm process
+    (apmpo/rollout/warm.py) is not its child."""
+    try:
+        launcher = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # gone already
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    except OSError:  # a kernel before 5.3: then the launcher is our parent (a fork needs pidfds)
+        launcher = None
 
     def watch() -> None:
-        while os.getppid() == launcher_pid:
+        if launcher is not None:
+            select.select([launcher], [], [])  # readable once the launcher has exited
+        while launcher is None and os.getppid() == launcher_pid:
             time.sleep(poll_s)
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
