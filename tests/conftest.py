@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Qwen2 checkpoints built in code (tied and untied embeddings), generation servers on
 them for the whole session, and one short quickstart run with a server on its exported checkpoint."""
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -59,6 +60,7 @@ def warm_servers(request, tmp_path_factory):
     has imported vLLM (apmpo/rollout/warm.py): about 14 CPU seconds less each, on some 60 servers a suite. A test
     of a fresh start removes APMPO_WARM_SERVERS from its environment. Without slow tests (-m "not slow"), whose
     runs and servers these are, no warm process: its own imports would cost more than it saves."""
+    import cpu_time  # noqa: PLC0415  (loaded as a plugin first: pytest_plugins)
     from apmpo.rollout.warm import WARM_SERVERS_ENV, warm_servers  # noqa: PLC0415
 
     if not any(item.get_closest_marker("slow") for item in request.session.items):
@@ -67,12 +69,19 @@ def warm_servers(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("warm")
     # The OpenMP threads the launcher gives a CPU server of the tiny models here, where the suite sets none (-n 0)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    with warm_servers(folder / "servers.sock", folder / "warm.log", env) as path:
-        os.environ[WARM_SERVERS_ENV] = str(path)
+    with contextlib.ExitStack() as stack:
+        os.environ[WARM_SERVERS_ENV] = str(stack.enter_context(warm_servers(folder / "servers.sock",
+                                                                             folder / "warm.log", env)))
         try:
-            yield path
+            yield os.environ[WARM_SERVERS_ENV]
         finally:
             del os.environ[WARM_SERVERS_ENV]
+            before = os.times()
+            stack.close()  # the warm process reaped, and with it what its forked servers used
+            after = os.times()
+            cpu_time.charge_elsewhere("the warm process and every server it forked for this worker's tests",
+                                      after.children_user + after.children_system
+                                      - before.children_user - before.children_system)
 
 
 # The session's servers: one token, and caps that every module using them fits in (a request over one is a 400).

@@ -4,8 +4,10 @@ The suite is CPU-bound on two cores, so its wall time follows its CPU seconds, a
 about its cost: it also counts the other worker's load. Each phase (setup, call, teardown) is charged the CPU of the
 test's process and of every process it started and waited for in that phase, grandchildren included
 (os.times(): RUSAGE_CHILDREN counts a child once it is reaped). So a session fixture's servers are charged to the
-teardown that stops them, and a process no one waits for (an orphaned engine core) to no test. The figures travel
-with the test reports, so they are summed across pytest-xdist workers.
+teardown that stops them, and a process no one waits for (an orphaned engine core) to no test. A fixture may take
+what it reaps off the test and show it on a line of its own (`charge_elsewhere`): the warm process's, whose forked
+servers served every test (tests/conftest.py). The figures travel with the test reports, so they are summed across
+pytest-xdist workers.
 """
 from __future__ import annotations
 
@@ -20,9 +22,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="show the N tests that cost the most CPU seconds (with the processes they waited for)")
 
 
+_ELSEWHERE: list[tuple[str, float]] = []  # (what, CPU seconds) of this phase, charged to no test
+
+
 def _cpu_s() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+def charge_elsewhere(what: str, seconds: float) -> None:
+    """Takes `seconds` of the running phase's CPU off its test and reports them as `what`."""
+    _ELSEWHERE.append((what, seconds))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -30,7 +40,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     # makereport runs right after each phase; the phase began at call.start, when the last mark was taken
     outcome = yield
     now = _cpu_s()
-    outcome.get_result().user_properties.append(("cpu_s", now - getattr(item, "_cpu_mark", now)))
+    properties = outcome.get_result().user_properties
+    elsewhere = sum(seconds for _, seconds in _ELSEWHERE)
+    properties.append(("cpu_s", now - getattr(item, "_cpu_mark", now) - elsewhere))
+    properties.extend(("cpu_s_elsewhere", charge) for charge in _ELSEWHERE)
+    _ELSEWHERE.clear()
     item._cpu_mark = now
 
 
@@ -43,13 +57,16 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     count = config.getoption("cpu_durations")
     if not count:
         return
-    per_test, total = defaultdict(float), 0.0
+    per_test, elsewhere = defaultdict(float), defaultdict(float)
     for reports in terminalreporter.stats.values():
         for report in reports:
             for key, value in getattr(report, "user_properties", ()):
                 if key == "cpu_s":
                     per_test[report.nodeid] += value
-                    total += value
-    terminalreporter.write_sep("=", f"most CPU seconds (tests {total:.0f} s in all)")
+                elif key == "cpu_s_elsewhere":
+                    elsewhere[value[0]] += value[1]
+    terminalreporter.write_sep("=", f"most CPU seconds (tests {sum(per_test.values()):.0f} s in all)")
     for nodeid, seconds in sorted(per_test.items(), key=lambda kv: -kv[1])[:count]:
         terminalreporter.write_line(f"{seconds:8.1f}s {nodeid}")
+    for what, seconds in elsewhere.items():
+        terminalreporter.write_line(f"{seconds:8.1f}s (no test) {what}")

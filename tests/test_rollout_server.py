@@ -89,6 +89,7 @@ def test_a_forked_server_generates_as_one_started_afresh(client, tied_server, ti
     assert isinstance(tied_server.process, warm.ForkedProcess)
     assert os.getsid(pid) == os.getpgid(pid) == pid  # the leader of its session and group, as a started server is
     assert Path(f"/proc/{pid}/cwd").resolve() == Path.cwd().resolve()
+    assert f"-m apmpo.rollout.server --model {tiny_tied} " in Path(f"/proc/{pid}/cmdline").read_text()  # ps
     monkeypatch.delenv(warm.WARM_SERVERS_ENV)
     fresh = start_test_server(tiny_tied, tmp_path / "fresh.log")
     try:
@@ -101,13 +102,32 @@ def test_a_forked_server_generates_as_one_started_afresh(client, tied_server, ti
         fresh.stop()
 
 
+def _launched(**changes: str) -> dict[str, str]:
+    """A server's environment as the launcher makes it for the warm process's tiny models (tests/conftest.py)."""
+    return {**os.environ, "GLIBC_TUNABLES": with_one_arena(os.environ.get("GLIBC_TUNABLES")),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **changes}
+
+
 def test_a_server_whose_startup_settings_differ_from_the_warm_process_starts_afresh(tied_server, tmp_path):
     # libgomp reads OMP_NUM_THREADS as a process starts: a fork would keep the warm process's value
-    env = {**os.environ, "GLIBC_TUNABLES": with_one_arena(os.environ.get("GLIBC_TUNABLES")), "OMP_NUM_THREADS": "7"}
     with open(tmp_path / "server.log", "wb") as log:
-        assert warm.fork_server(["--model", "m"], env, log.fileno(), ()) is None
+        assert warm.fork_server(["--model", "m"], _launched(OMP_NUM_THREADS="7"), log.fileno(), ()) is None
     assert (tmp_path / "server.log").read_text() == \
         "[apmpo] started afresh, not forked: the warm process started with other OMP_NUM_THREADS\n"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to run on fewer")
+def test_a_server_whose_launcher_runs_elsewhere_than_the_warm_process_starts_afresh(tied_server, tmp_path):
+    # a fork keeps the warm process's CPU affinity (so its namespaces, control groups, limits)
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})  # this thread's, as `taskset` would set a learner's
+    try:
+        with open(tmp_path / "server.log", "wb") as log:
+            assert warm.fork_server(["--model", "m"], _launched(), log.fileno(), ()) is None
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert (tmp_path / "server.log").read_text() == \
+        "[apmpo] started afresh, not forked: the warm process started with other CPU affinity\n"
 
 
 def test_stop_token_finishes_with_stop(client):

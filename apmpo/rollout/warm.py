@@ -10,11 +10,12 @@ process imports them once and forks every server from there:
 The launcher forks a CPU server through the socket that APMPO_WARM_SERVERS names, and starts it afresh when the
 variable is unset, when no warm process answers, or when the server's environment differs from the warm process's
 in a setting read as a process starts (STARTUP: OpenMP's threads, malloc's arenas, the loader, Python, PyTorch,
-the hub): a fork keeps the warm process's. Either way the server is the same: the leader of its own session and
-process group, with the launcher's environment and working directory, its log as stdout and stderr, and it
-follows its launcher (APMPO_LAUNCHER_PID). The warm process answers a request with the server's pid and, once the
-server has exited, its exit code; it ends when the process that started it does. CPU only: a fork after the CUDA
-driver is loaded is unsafe, and on a GPU an engine's start outweighs its imports.
+the hub), or its namespaces, control groups, CPU affinity, limits or ids do (process_context): a fork keeps the
+warm process's. Either way the server is the same: the leader of its own session and process group, with the
+launcher's environment and working directory, its log as stdout and stderr, its command line as its title (`ps`),
+and it follows its launcher (APMPO_LAUNCHER_PID). The warm process answers a request with the server's pid and,
+once the server has exited, its exit code; it ends when the process that started it does. CPU only: a fork after
+the CUDA driver is loaded is unsafe, and on a GPU an engine's start outweighs its imports.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import fcntl
 import gc
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -42,6 +44,16 @@ REPLY_TIMEOUT_S = 300.0  # a warm process still importing answers once it is don
 
 def startup_settings(env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items() if key.startswith(STARTUP)}
+
+
+def process_context() -> dict[str, object]:
+    """What a forked server keeps of the warm process beside its environment: its namespaces (a learner started in
+    a network namespace of its own serves there), control groups, CPU affinity, resource limits and ids."""
+    namespaces = {f"{name} namespace": os.stat(f"/proc/self/ns/{name}").st_ino for name in os.listdir("/proc/self/ns")}
+    limits = {f"limit {name}": resource.getrlimit(getattr(resource, name)) for name in dir(resource)
+              if name.startswith("RLIMIT_")}
+    return {**namespaces, **limits, "control groups": Path("/proc/self/cgroup").read_text(),
+            "CPU affinity": sorted(os.sched_getaffinity(0)), "user and groups": [os.getuid(), os.getgid(), os.getgroups()]}
 
 
 class ForkedProcess:
@@ -74,7 +86,8 @@ def fork_server(args: list[str], env: dict[str, str], stdout: int, pass_fds: tup
     path = os.environ.get(WARM_SERVERS_ENV)
     if not path:
         return None
-    request = json.dumps({"args": args, "env": env, "cwd": os.getcwd(), "fds": list(pass_fds)}).encode()
+    request = json.dumps({"args": args, "env": env, "cwd": os.getcwd(), "fds": list(pass_fds),
+                          "context": process_context()}).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.settimeout(REPLY_TIMEOUT_S)
@@ -128,6 +141,7 @@ def main(listener: socket.socket) -> None:
     """The warm process: imports what a server imports, then forks a server for each request on `listener` until
     the process that started it exits (or a SIGTERM)."""
     exec_env = dict(os.environ)  # as this process started; vllm_compat adds vLLM's settings on import
+    context = json.loads(json.dumps(process_context()))  # as a request carries it (tuples become lists)
     parent = os.pidfd_open(os.getppid())
     listener.setblocking(False)
     path, code = listener.getsockname(), 0
@@ -155,7 +169,7 @@ def main(listener: socket.socket) -> None:
                 conn.setblocking(True)
                 conn.settimeout(10.0)  # the request follows the connection at once
                 try:
-                    pid = _fork(conn, exec_env, closing=(listener, parent, wake_read, wake_write, *children.values()))
+                    pid = _fork(conn, exec_env, context, closing=(listener, parent, wake_read, wake_write, *children.values()))
                 except (OSError, ValueError, KeyError) as error:  # a request cut short or malformed
                     print(f"[apmpo.warm] a request failed: {error!r}", flush=True)
                     conn.close()
@@ -175,11 +189,12 @@ def main(listener: socket.socket) -> None:
         os._exit(code)  # without the interpreter's teardown of everything imported (seconds, and nanobind's warnings)
 
 
-def _fork(conn: socket.socket, exec_env: dict[str, str], closing: tuple) -> int | None:
+def _fork(conn: socket.socket, exec_env: dict[str, str], context: dict, closing: tuple) -> int | None:
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
     request = json.loads(message)
     differ = sorted(key for key in {*startup_settings(exec_env), *startup_settings(request["env"])}
                     if exec_env.get(key) != request["env"].get(key))
+    differ += [key for key in context if context[key] != request["context"].get(key)]
     if differ:
         conn.send(json.dumps({"refused": f"the warm process started with other {', '.join(differ)}"}).encode())
         conn.close()
@@ -236,13 +251,18 @@ def _become_server(request: dict, fds: list[int]) -> None:
             os.dup2(fd, number)
         for fd in moved:
             os.close(fd)
+        import setproctitle  # vLLM's dependency
+
+        # What `ps` shows, and what finds a server by its arguments. Before the environment changes: setproctitle
+        # takes the room of the strings it started with.
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", "apmpo.rollout.server", *request["args"]]))
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         from apmpo.rollout import server, vllm_compat
 
         vllm_compat.set_process_env()  # its defaults, under the server's environment
-        sys.argv = [server.__file__, *request["args"]]
+        sys.argv = [server.__file__, *request["args"]]  # as `python -m` sets it
         server.main(request["args"])  # ends with os._exit
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
