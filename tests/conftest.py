@@ -54,6 +54,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     return ByGroup(config, log)
 
+
 @pytest.fixture(scope="session", autouse=True)
 def warm_servers(request, tmp_path_factory):
     """Every CPU server this worker's tests start, directly or through a run, is forked from one warm process that

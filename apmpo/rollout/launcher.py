@@ -38,9 +38,9 @@ import torch
 
 from apmpo.cpu_memory import with_one_arena
 from apmpo.cpu_threads import usable_cores
+from apmpo.rollout import warm
 from apmpo.rollout.client import READY_POLL_S, GenerationClient, ServerUnavailable
 from apmpo.rollout.net import bind_socket, is_loopback
-from apmpo.rollout import warm
 from apmpo.rollout.pool import ServerPool
 
 

@@ -444,13 +444,12 @@ def follow_launcher(launcher_pid: int, poll_s: float = 0.5) -> None:
     process is gone, even killed by SIGKILL, take the whole group down. vLLM's EngineCore and worker processes
     are in that group, and nothing else would stop them: they outlived a killed trainer and kept their memory.
     A server started by hand does not follow its shell (nohup keeps working). The launcher is watched through a
-    pidfd, opened here, while the launcher waits for this server: a server forked from a warm process
-    (apmpo/rollout/warm.py) is not its child."""
+    pidfd, not as our parent: a server forked from a warm process (apmpo/rollout/warm.py) is that process's child."""
     try:
         launcher = os.pidfd_open(launcher_pid)
     except ProcessLookupError:  # gone already
         os.killpg(os.getpgrp(), signal.SIGKILL)
-    except OSError:  # a kernel before 5.3: then the launcher is our parent (a fork needs pidfds)
+    except OSError:  # a kernel before 5.3: then the launcher is our parent (the warm process needs pidfds too)
         launcher = None
 
     def watch() -> None:
