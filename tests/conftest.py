@@ -15,6 +15,8 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 from apmpo.tiny import save_perturbed_copy, save_tiny_model
 
+ROOT = Path(__file__).resolve().parents[1]
+
 pytest_plugins = ("cpu_time", "pytester")  # cpu_time: --cpu-durations (pytest.ini), the tests that cost the most CPU
 
 TESTS = Path(__file__).resolve().parent
@@ -55,34 +57,42 @@ def pytest_xdist_make_scheduler(config, log):
     return ByGroup(config, log)
 
 
+def tiny_server_env(**changes: str) -> dict[str, str]:
+    """A tiny model's CPU server's startup environment as the launcher makes it here (OpenMP threads: the
+    launcher's 1 for these models where the suite sets none, -n 0), with `changes`."""
+    from apmpo.cpu_memory import with_one_arena  # noqa: PLC0415
+
+    return {**os.environ, "GLIBC_TUNABLES": with_one_arena(os.environ.get("GLIBC_TUNABLES")),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **changes}
+
+
 @pytest.fixture(scope="session", autouse=True)
-def warm_servers(request, tmp_path_factory):
-    """Every CPU server this worker's tests start, directly or through a run, is forked from one warm process that
-    has imported vLLM (apmpo/rollout/warm.py): about 14 CPU seconds less each, on some 60 servers a suite. A test
-    of a fresh start removes APMPO_WARM_SERVERS from its environment. Without slow tests (-m "not slow"), whose
-    runs and servers these are, no warm process: its own imports would cost more than it saves."""
+def warm_processes(request, tmp_path_factory):
+    """Every CPU server this worker's tests start, directly or through a run, is forked from a warm process that
+    has imported vLLM (apmpo/warm.py): about 14 CPU seconds less each, on some 60 servers a suite; and every
+    learner, benchmark or worker script that a test runs through `warm.run` (train_runs.run) from one that has
+    imported what launch/train.py imports, and DeepSpeed. A test of a fresh start removes APMPO_WARM_SERVERS from
+    its environment. Without slow tests (-m "not slow"), whose runs and servers these are, no warm process: its
+    own imports would cost more than it saves."""
     import cpu_time  # noqa: PLC0415  (loaded as a plugin first: pytest_plugins)
-    from apmpo.rollout.warm import WARM_SERVERS_ENV, warm_servers  # noqa: PLC0415
+    from apmpo import warm  # noqa: PLC0415
 
     if not any(item.get_closest_marker("slow") for item in request.session.items):
-        yield None
+        yield
         return
     folder = tmp_path_factory.mktemp("warm")
-    # The OpenMP threads the launcher gives a CPU server of the tiny models here, where the suite sets none (-n 0)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with contextlib.ExitStack() as stack:
-        os.environ[WARM_SERVERS_ENV] = str(stack.enter_context(warm_servers(folder / "servers.sock",
-                                                                             folder / "warm.log", env)))
+        os.environ[warm.WARM_SERVERS_ENV] = str(stack.enter_context(
+            warm.warm_process(folder / "servers.sock", folder / "servers.log", tiny_server_env())))
+        os.environ[warm.WARM_PROGRAMS_ENV] = str(stack.enter_context(
+            warm.warm_process(folder / "programs.sock", folder / "programs.log",
+                              imports=(str(ROOT / "launch" / "train.py"), "deepspeed"))))
         try:
-            yield os.environ[WARM_SERVERS_ENV]
+            yield
         finally:
-            del os.environ[WARM_SERVERS_ENV]
-            before = os.times()
-            stack.close()  # the warm process reaped, and with it what its forked servers used
-            after = os.times()
-            cpu_time.charge_elsewhere("the warm process and every server it forked for this worker's tests",
-                                      after.children_user + after.children_system
-                                      - before.children_user - before.children_system)
+            del os.environ[warm.WARM_SERVERS_ENV], os.environ[warm.WARM_PROGRAMS_ENV]
+            with cpu_time.charged_elsewhere("the warm processes and the servers they forked for this worker"):
+                stack.close()  # the warm processes reaped, and with them what their forked programs used
 
 
 # The session's servers: one token, and caps that every module using them fits in (a request over one is a 400).

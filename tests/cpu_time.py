@@ -5,14 +5,17 @@ about its cost: it also counts the other worker's load. Each phase (setup, call,
 test's process and of every process it started and waited for in that phase, grandchildren included
 (os.times(): RUSAGE_CHILDREN counts a child once it is reaped). So a session fixture's servers are charged to the
 teardown that stops them, and a process no one waits for (an orphaned engine core) to no test. A fixture may take
-what it reaps off the test and show it on a line of its own (`charge_elsewhere`): the warm process's, whose forked
-servers served every test (tests/conftest.py). The figures travel with the test reports, so they are summed across
-pytest-xdist workers.
+what it reaps off the test and show it on a line of its own (`charged_elsewhere`): the warm processes', whose
+forked servers served every test (tests/conftest.py). A program that a warm process forked and reaped for a test
+(warm.run) is charged to that test (`charge_forked`), and taken off the warm process's line. The figures travel
+with the test reports, so they are summed across pytest-xdist workers.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
+from typing import Iterator
 
 import pytest
 
@@ -23,6 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 _ELSEWHERE: list[tuple[str, float]] = []  # (what, CPU seconds) of this phase, charged to no test
+_FORKED = [0.0, 0.0]  # CPU seconds of forked programs: this phase's, and the session's
 
 
 def _cpu_s() -> float:
@@ -35,6 +39,25 @@ def charge_elsewhere(what: str, seconds: float) -> None:
     _ELSEWHERE.append((what, seconds))
 
 
+def charge_forked(seconds: float) -> None:
+    """Charges the running phase's test with a program that a warm process forked and reaped (warm.run): it
+    is taken off that warm process's line (`charged_elsewhere`)."""
+    _FORKED[0] += seconds
+    _FORKED[1] += seconds
+
+
+@contextlib.contextmanager
+def charged_elsewhere(what: str) -> Iterator[None]:
+    """Charges what the block reaps (a warm process, with every program it forked) to `what`, not to the running
+    test, less the forked programs that were charged to their own tests (`charge_forked`)."""
+    before = os.times()
+    yield
+    after = os.times()
+    reaped = after.children_user + after.children_system - before.children_user - before.children_system
+    charge_elsewhere(what, reaped - _FORKED[1])
+    _FORKED[0] -= _FORKED[1]  # charged to their tests already: not to this phase's again
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     # makereport runs right after each phase; the phase began at call.start, when the last mark was taken
@@ -42,7 +65,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     now = _cpu_s()
     properties = outcome.get_result().user_properties
     elsewhere = sum(seconds for _, seconds in _ELSEWHERE)
-    properties.append(("cpu_s", now - getattr(item, "_cpu_mark", now) - elsewhere))
+    properties.append(("cpu_s", now - getattr(item, "_cpu_mark", now) - elsewhere + _FORKED[0]))
+    _FORKED[0] = 0.0
     properties.extend(("cpu_s_elsewhere", charge) for charge in _ELSEWHERE)
     _ELSEWHERE.clear()
     item._cpu_mark = now

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import netns
+from train_runs import warm_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PERCENT, TIMES = r"\d+%", r"\d+\.\d+x"
@@ -65,8 +66,8 @@ def _run(script: str, tiny_tied: Path) -> tuple[list[str], subprocess.CompletedP
     args = [str(tiny_tied) if arg == TINY else arg for arg in BENCHMARKS[script][0]]
     # A CPU engine built in the script's process gets the server's 1 GiB KV cache, not half the machine's memory.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1"}
-    return args, subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args], cwd=ROOT,
-                                capture_output=True, text=True, timeout=600, env=env)
+    return args, warm_run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")

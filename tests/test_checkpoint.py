@@ -14,6 +14,7 @@ import pytest
 from apmpo.config import ConfigError
 from apmpo.learner.checkpoint import check_zero_stage, saved_zero_stage
 from apmpo.rollout.net import free_port
+from train_runs import warm_run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "checkpoint_worker.py"
@@ -26,8 +27,7 @@ def run_worker(*args, ranks=1) -> subprocess.CompletedProcess:
     else:
         command = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
                    str(WORKER), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return warm_run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -9,7 +9,6 @@ import itertools
 import json
 import os
 import math
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from apmpo.eval.diversity import JUDGE_PROMPT, Judge, average_cosine_similarity,
 from apmpo.eval.metrics import average, summarize_benchmark
 from apmpo.eval.run import contiguous_chunks
 from fakes import FakeServer
+from train_runs import warm_run
 from apmpo.seeding import EVAL_DOMAIN, EVAL_SAMPLE_BITS, eval_request_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,8 +193,8 @@ def test_table_puts_several_evaluations_in_one_table(tiny_tied, fake_server, tmp
 
 
 def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "apmpo.eval", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return warm_run([sys.executable, "-m", "apmpo.eval", *args], capture_output=True, text=True, timeout=timeout,
+                    cwd=ROOT)
 
 
 def test_unknown_benchmark_through_the_cli_is_one_clear_line(tiny_tied, tmp_path):

@@ -9,7 +9,6 @@ normaliser changes them even where Adam's update would hide it) and the paramete
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from apmpo.rollout.net import free_port
+from train_runs import warm_run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "learner_update_worker.py"
@@ -33,7 +33,7 @@ def run_worker(tmp_path, scenarios: dict[str, dict], ranks=1) -> dict[str, list[
         command = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
                    str(WORKER), str(tmp_path / "scenarios.json")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = warm_run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {name: [torch.load(tmp_path / name / f"rank{r}.pt") for r in range(ranks)] for name in scenarios}
 

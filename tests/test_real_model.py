@@ -31,6 +31,7 @@ from apmpo.rollout import GenerationClient
 from apmpo.rewards import math_reward
 from apmpo.rollout.launcher import start_server
 from apmpo.sampling import Sampling
+from train_runs import warm_run
 
 pytestmark = pytest.mark.slow
 
@@ -307,7 +308,7 @@ def test_two_training_steps_with_the_shipped_config(server, tmp_path):
             "logging.output_dir": tmp_path, "logging.tensorboard": False}
     command = [sys.executable, str(ROOT / "launch/train.py"), "--config", str(ROOT / "configs/smollm2_arith.yaml"),
                *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    done = warm_run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "smollm2_arith"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

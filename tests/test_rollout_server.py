@@ -18,14 +18,14 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from apmpo.cpu_memory import with_one_arena
-from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable, client as client_module, warm, weight_sync
+from apmpo import warm
+from apmpo.rollout import GenerationClient, ServerError, ServerUnavailable, client as client_module, weight_sync
 from apmpo.rollout.launcher import ServerSet, ServerStartError, start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.weight_sync import SHM_DIR
 from apmpo.sampling import Sampling
 from apmpo.tiny import save_perturbed_copy
-from conftest import SERVER_LIMITS, SERVER_TOKEN as TOKEN, start_test_server
+from conftest import SERVER_LIMITS, SERVER_TOKEN as TOKEN, start_test_server, tiny_server_env
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def test_a_cpu_server_allocates_from_one_kept_heap(tied_server):
     assert "started without GLIBC_TUNABLES" not in tied_server.log_path.read_text()
 
 
-# --- servers forked from the warm process (apmpo/rollout/warm.py; tests/conftest.py starts one per worker) ---
+# --- servers forked from the warm process (apmpo/warm.py; tests/conftest.py starts one per worker) ---
 
 
 def test_a_forked_server_generates_as_one_started_afresh(client, tied_server, tiny_tied, tmp_path, monkeypatch):
@@ -102,16 +102,10 @@ def test_a_forked_server_generates_as_one_started_afresh(client, tied_server, ti
         fresh.stop()
 
 
-def _launched(**changes: str) -> dict[str, str]:
-    """A server's environment as the launcher makes it for the warm process's tiny models (tests/conftest.py)."""
-    return {**os.environ, "GLIBC_TUNABLES": with_one_arena(os.environ.get("GLIBC_TUNABLES")),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **changes}
-
-
 def test_a_server_whose_startup_settings_differ_from_the_warm_process_starts_afresh(tied_server, tmp_path):
     # libgomp reads OMP_NUM_THREADS as a process starts: a fork would keep the warm process's value
     with open(tmp_path / "server.log", "wb") as log:
-        assert warm.fork_server(["--model", "m"], _launched(OMP_NUM_THREADS="7"), log.fileno(), ()) is None
+        assert warm.fork_server(["--model", "m"], tiny_server_env(OMP_NUM_THREADS="7"), log.fileno(), ()) is None
     assert (tmp_path / "server.log").read_text() == \
         "[apmpo] started afresh, not forked: the warm process started with other OMP_NUM_THREADS\n"
 
@@ -123,7 +117,7 @@ def test_a_server_whose_launcher_runs_elsewhere_than_the_warm_process_starts_afr
     os.sched_setaffinity(0, {min(cores)})  # this thread's, as `taskset` would set a learner's
     try:
         with open(tmp_path / "server.log", "wb") as log:
-            assert warm.fork_server(["--model", "m"], _launched(), log.fileno(), ()) is None
+            assert warm.fork_server(["--model", "m"], tiny_server_env(), log.fileno(), ()) is None
     finally:
         os.sched_setaffinity(0, cores)
     assert (tmp_path / "server.log").read_text() == \

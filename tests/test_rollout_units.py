@@ -8,7 +8,7 @@ import torch
 from fastapi import HTTPException
 from pydantic import ValidationError
 
-from apmpo.rollout import warm
+from apmpo import warm
 from apmpo.rollout.net import OneThread, is_loopback
 from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
 from apmpo.rollout.weight_sync import (SHM_DIR, WeightGroup, pack, plan_buckets, receive_buckets, select_transport,

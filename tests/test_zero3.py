@@ -4,9 +4,7 @@ parameters gathered at a time, the other rank joining rank 0's gathers), the che
 after each validation, and the KL reference (partitioned as the policy is). The step itself against ZeRO-2's, and
 the memory per rank: tests/test_learner.py."""
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from apmpo.config import ConfigError, load_config
 from apmpo.learner.checkpoint import check_zero_stage, saved_zero_stage
 from apmpo.rollout.net import free_port
 from test_validation import CLI as EVAL_CLI  # the quickstart's validation settings, as the eval CLI takes them
-from train_runs import ROOT, metrics, run, train_command
+from train_runs import ROOT, metrics, run, train_command, warm_run
 
 ZERO3_RUN = ("train.zero_stage=3", "loss.kl_beta=0.01", "train.steps=4", "checkpoint.save_every=2",
              "checkpoint.keep_last=3", "eval.every=2", "eval.limit=40",
@@ -58,9 +56,8 @@ def test_zero3_trains_checkpoints_and_exports_on_two_ranks(zero3_run, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(export)
     assert all(p.numel() > 0 and torch.isfinite(p).all() for p in model.parameters())
     cli = tmp_path / "cli"
-    evaluated = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model", str(export), *EVAL_CLI, "--seeds", "0",
-                                "--out", str(cli)],
-                               capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ})
+    evaluated = warm_run([sys.executable, "-m", "apmpo.eval", "--model", str(export), *EVAL_CLI, "--seeds", "0",
+                          "--out", str(cli)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     result = json.loads((cli / "results.json").read_text())["benchmarks"]["quickstart_val"]
     assert rows[3]["val/quickstart_val/pass@1"] == result["pass@1"]["mean"]

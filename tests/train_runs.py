@@ -4,6 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cpu_time
+from apmpo import warm
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # One short quickstart run, shared by the tests that read what a run leaves behind (metrics, checkpoints,
@@ -21,9 +24,17 @@ def train_command(config: str, *overrides: str) -> list[str]:
 
 
 def run(command: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    """Runs from the repository root; fails the test with the end of the output unless it exits 0."""
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+    """Runs from the repository root, forked by the worker's warm process where it can be (apmpo/warm.py,
+    tests/conftest.py); fails the test with the end of the output unless it exits 0."""
+    done = warm_run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
+def warm_run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """apmpo.warm.run, with a forked program's CPU seconds charged to the running test (tests/cpu_time.py)."""
+    done = warm.run(command, **kwargs)
+    cpu_time.charge_forked(getattr(done, "cpu_s", 0.0))
     return done
 
 

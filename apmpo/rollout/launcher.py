@@ -18,7 +18,7 @@ Each server runs in its own process group, which `stop` kills as a whole (vLLM s
 stopped by the context manager, by atexit, and, should the parent die without either (SIGKILL, OOM killer),
 by itself: it watches the launching process (APMPO_LAUNCHER_PID) and then kills its whole group. Several servers
 start at once; one that fails to start stops them all. With APMPO_WARM_SERVERS set, CPU servers are forked from
-a process that has imported vLLM already (apmpo/rollout/warm.py: about 14 CPU seconds less a start).
+a process that has imported vLLM already (apmpo/warm.py: about 14 CPU seconds less a start).
 """
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ from typing import Iterator
 
 import torch
 
+from apmpo import warm
 from apmpo.cpu_memory import with_one_arena
 from apmpo.cpu_threads import usable_cores
-from apmpo.rollout import warm
 from apmpo.rollout.client import READY_POLL_S, GenerationClient, ServerUnavailable
 from apmpo.rollout.net import bind_socket, is_loopback
 from apmpo.rollout.pool import ServerPool
@@ -217,7 +217,7 @@ def _launch(model: str, log_path: Path, devices: str | None, host: str, port: in
                "--port", str(port), "--fd", str(listener.fileno()), *args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file, listener:
-        # Forked from a warm process where one is named (CPU only: apmpo.rollout.warm), else started afresh.
+        # Forked from a warm process where one is named (CPU only: apmpo.warm), else started afresh.
         process = (devices is None and not torch.cuda.is_available()
                    and warm.fork_server(command[3:], child_env, log_file.fileno(), (listener.fileno(),))) or \
             subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,

@@ -444,11 +444,12 @@ def follow_launcher(launcher_pid: int, poll_s: float = 0.5) -> None:
     process is gone, even killed by SIGKILL, take the whole group down. vLLM's EngineCore and worker processes
     are in that group, and nothing else would stop them: they outlived a killed trainer and kept their memory.
     A server started by hand does not follow its shell (nohup keeps working). The launcher is watched through a
-    pidfd, not as our parent: a server forked from a warm process (apmpo/rollout/warm.py) is that process's child."""
+    pidfd, not as our parent: a server forked from a warm process (apmpo/warm.py) is that process's child."""
     try:
         launcher = os.pidfd_open(launcher_pid)
-    except ProcessLookupError:  # gone already
+    except ProcessLookupError:  # gone already: so goes this group, at once
         os.killpg(os.getpgrp(), signal.SIGKILL)
+        return
     except OSError:  # a kernel before 5.3: then the launcher is our parent (the warm process needs pidfds too)
         launcher = None
 

@@ -1,0 +1,110 @@
+"""apmpo/warm.py: a program forked by a warm process is what `python` would have started, or is started afresh.
+
+The warm process here imports only json (a second); the suite's own, which import vLLM or what a learner imports,
+are tests/conftest.py's (a forked server against a fresh one: tests/test_rollout_server.py)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from apmpo import warm
+
+PROBE = """
+import json, os, random, sys
+print(json.dumps({"argv": sys.argv, "path": sys.path[:2], "name": __name__, "cwd": os.getcwd(),
+                  "env": os.environ.get("PROBE"), "stdin": sys.stdin.read(), "random": random.random()}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def warm_json(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("warm_json")
+    with warm.warm_process(folder / "json.sock", folder / "json.log", imports=("json",)) as path:
+        yield path, folder / "json.log"
+
+
+@pytest.fixture
+def probes(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "probe_module.py").write_text(PROBE)
+    (tmp_path / "probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def _both(command, path, **kwargs):
+    fresh = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, **kwargs)
+    forked = warm.run(command, path=path, capture_output=True, text=True, timeout=60, **kwargs)
+    return fresh, forked
+
+
+@pytest.mark.parametrize("form", ["script", "module"])
+def test_a_forked_program_sees_what_python_would_have_given_it(warm_json, probes, form):
+    env = {**os.environ, "PROBE": "yes", "PYTHONPATH": str(probes / "lib")}
+    program = [str(probes / "probe.py")] if form == "script" else ["-m", "probe_module"]
+    fresh, forked = _both([sys.executable, "-u", *program, "3", "an argument"], warm_json[0], env=env,
+                          cwd=probes / "lib")
+    assert forked.cpu_s > 0  # forked, not started afresh
+    assert fresh.returncode == forked.returncode == 3
+    assert fresh.stderr == forked.stderr == "to stderr\n"
+    seen_fresh, seen_forked = (json.loads(done.stdout) for done in (fresh, forked))
+    assert seen_fresh.pop("random") != seen_forked.pop("random")  # seeded anew, as every fresh interpreter
+    assert seen_fresh == seen_forked
+    assert seen_forked["name"] == "__main__" and seen_forked["argv"][1:] == ["3", "an argument"]
+    assert seen_forked["path"] == [str(probes if form == "script" else probes / "lib"), str(probes / "lib")]
+
+
+def test_forks_draw_other_random_numbers(warm_json, probes):
+    draws = {warm.run([sys.executable, str(probes / "probe.py"), "0"], path=warm_json[0], capture_output=True,
+                      text=True).stdout for _ in range(2)}
+    assert len(draws) == 2
+
+
+def test_a_program_whose_startup_settings_differ_is_started_afresh_and_logged(warm_json, probes):
+    # libgomp reads OMP_NUM_THREADS as a process starts; a fork would keep the warm process's
+    env = {**os.environ, "OMP_NUM_THREADS": "7"}
+    done = warm.run([sys.executable, str(probes / "probe.py"), "0"], path=warm_json[0], env=env, capture_output=True)
+    assert done.returncode == 0 and not hasattr(done, "cpu_s")
+    assert "refused" in warm_json[1].read_text() and "other OMP_NUM_THREADS" in warm_json[1].read_text()
+
+
+def test_a_pythonpath_that_would_import_a_loaded_module_from_elsewhere_is_started_afresh(warm_json, probes):
+    (probes / "lib" / "json").mkdir()
+    (probes / "lib" / "json" / "__init__.py").write_text("dumps = lambda value: 'the shadowing json'\n")
+    env = {**os.environ, "PYTHONPATH": str(probes / "lib")}
+    fresh, forked = _both([sys.executable, "-m", "probe_module", "0"], warm_json[0], env=env)
+    assert fresh.stdout == forked.stdout == "the shadowing json\n" and not hasattr(forked, "cpu_s")
+    assert "PYTHONPATH (json would have been imported from there)" in warm_json[1].read_text()
+
+
+def test_what_is_not_python_running_a_file_or_module_is_started_afresh(warm_json):
+    done = warm.run([sys.executable, "-c", "print(6 * 7)"], path=warm_json[0], capture_output=True, text=True)
+    assert done.stdout == "42\n" and not hasattr(done, "cpu_s")
+
+
+def test_a_program_past_its_timeout_is_killed(warm_json, probes):
+    (probes / "sleep.py").write_text("import time\ntime.sleep(60)\n")
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run([sys.executable, str(probes / "sleep.py")], path=warm_json[0], timeout=1)
+    assert time.monotonic() - start < 10  # not the minute it would have slept
+    assert "sleep.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_the_program_of_a_caller_that_is_gone_is_killed(warm_json, probes):
+    (probes / "sleep.py").write_text("import time\ntime.sleep(60)\n")
+    caller = subprocess.run([sys.executable, "-c", f"""
+import sys
+from apmpo import warm
+forked = warm.fork([sys.executable, {str(probes / "sleep.py")!r}], {str(warm_json[0])!r})
+print(forked.pid, flush=True)
+"""], capture_output=True, text=True, check=True, timeout=60)  # exits, its program still sleeping
+    pid = int(caller.stdout)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}")
