@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from apmpo import dirlock
+from apmpo import dirlock, warm
 from apmpo.study import records
 from apmpo.study import report as study_report, stats
 from apmpo.study.records import BUILTIN_VARIANTS, RecordError, Settings, builtin_methods, write_atomic
@@ -467,7 +468,7 @@ class Active:
     steps: object  # the run's commands() generator
     slot: Slot
     what: str = ""
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | warm.ForkedProcess | None = None
     log_file: object = None
     seen_validations: int = 0
 
@@ -483,9 +484,19 @@ def start_next(active: Active) -> bool:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     active.log_file = open(log_path, "ab")
     log(f"  {active.run.name}: {what} (log: {log_path})")
-    active.process = subprocess.Popen(argv, stdout=active.log_file, stderr=subprocess.STDOUT, env=env,
-                                      cwd=ROOT, preexec_fn=_die_with_parent)
+    active.process = _forked(argv, env, active.log_file) or subprocess.Popen(
+        argv, stdout=active.log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT, preexec_fn=_die_with_parent)
     return True
+
+
+def _forked(argv: list[str], env: dict[str, str] | None, log_file) -> warm.ForkedProcess | None:
+    """Forked by the warm process that $APMPO_WARM_PROGRAMS names, where there is one and it can be (apmpo/warm.py:
+    the imports of each run's learner and evaluation, once): its program dies with the study, as started ones do."""
+    path = os.environ.get(warm.WARM_PROGRAMS_ENV)
+    if not path:
+        return None
+    with open(os.devnull, "rb") as devnull:
+        return warm.fork(argv, path, env, {0: devnull.fileno(), 1: log_file.fileno(), 2: log_file.fileno()}, cwd=ROOT)
 
 
 def report_progress(active: Active) -> None:
