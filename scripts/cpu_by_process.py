@@ -26,7 +26,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 PR_SET_CHILD_SUBREAPER = 36
 KINDS = [  # (kind, a substring of the command line): the first that matches names the process
     ("vLLM engine core", "VLLM::EngineCore"), ("vLLM engine core", "EngineCore"),
-    ("generation server", "apmpo.rollout.server"), ("warm process", "apmpo.warm"),
+    ("warm process", "apmpo.warm"), ("generation server", "apmpo.rollout.server"),
     ("learner (launch/train.py)", "launch/train.py"),
     ("deepspeed runner", "bin/deepspeed"), ("deepspeed runner", "deepspeed.launcher"),
     ("benchmark script", "benchmarks/"), ("study", "apmpo.study"), ("evaluation", "apmpo.eval"),

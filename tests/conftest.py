@@ -15,8 +15,6 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 from apmpo.tiny import save_perturbed_copy, save_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
-
 pytest_plugins = ("cpu_time", "pytester")  # cpu_time: --cpu-durations (pytest.ini), the tests that cost the most CPU
 
 TESTS = Path(__file__).resolve().parent
@@ -70,11 +68,12 @@ def tiny_server_env(**changes: str) -> dict[str, str]:
 def warm_processes(request, tmp_path_factory):
     """Every CPU server this worker's tests start, directly or through a run, is forked from a warm process that
     has imported vLLM (apmpo/warm.py): about 14 CPU seconds less each, on some 60 servers a suite; and every
-    learner, benchmark or worker script that a test runs through `warm.run` (train_runs.run) from one that has
-    imported what launch/train.py imports, and DeepSpeed. A test of a fresh start removes APMPO_WARM_SERVERS from
+    learner, benchmark or worker script that a test runs through train_runs.warm_run from one that has imported
+    what launch/train.py imports, and DeepSpeed (one such process for each startup environment). A test of a fresh start removes APMPO_WARM_SERVERS from
     its environment. Without slow tests (-m "not slow"), whose runs and servers these are, no warm process: its
     own imports would cost more than it saves."""
     import cpu_time  # noqa: PLC0415  (loaded as a plugin first: pytest_plugins)
+    import train_runs  # noqa: PLC0415
     from apmpo import warm  # noqa: PLC0415
 
     if not any(item.get_closest_marker("slow") for item in request.session.items):
@@ -84,13 +83,12 @@ def warm_processes(request, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         os.environ[warm.WARM_SERVERS_ENV] = str(stack.enter_context(
             warm.warm_process(folder / "servers.sock", folder / "servers.log", tiny_server_env())))
-        os.environ[warm.WARM_PROGRAMS_ENV] = str(stack.enter_context(
-            warm.warm_process(folder / "programs.sock", folder / "programs.log",
-                              imports=(str(ROOT / "launch" / "train.py"), "deepspeed"))))
+        train_runs.WARM = train_runs.WarmPrograms(folder, stack)
         try:
             yield
         finally:
-            del os.environ[warm.WARM_SERVERS_ENV], os.environ[warm.WARM_PROGRAMS_ENV]
+            del os.environ[warm.WARM_SERVERS_ENV]
+            train_runs.WARM = None
             with cpu_time.charged_elsewhere("the warm processes and the servers they forked for this worker"):
                 stack.close()  # the warm processes reaped, and with them what their forked programs used
 

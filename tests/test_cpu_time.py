@@ -1,9 +1,19 @@
-"""tests/cpu_time.py's --cpu-durations, in a pytest session of its own."""
+"""tests/cpu_time.py's --cpu-durations, in a pytest process of its own: in this one, the module's counts are the
+running session's."""
+import os
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass\n"
 
 
-def test_a_test_is_charged_the_cpu_of_the_processes_it_waited_for(pytester):
+def _run(pytester, monkeypatch, *args):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return pytester.runpytest_subprocess("-p", "cpu_time", *args, "-n", "0", "-p", "no:cacheprovider")
+
+
+def test_a_test_is_charged_the_cpu_of_the_processes_it_waited_for(pytester, monkeypatch):
     pytester.makepyfile(test_burn=f"""
         import subprocess, sys
 
@@ -13,7 +23,7 @@ def test_a_test_is_charged_the_cpu_of_the_processes_it_waited_for(pytester):
         def test_child():
             subprocess.run([sys.executable, "-c", {BURN!r}], check=True)
     """)
-    result = pytester.runpytest("-p", "cpu_time", "--cpu-durations=2", "-n", "0", "-p", "no:cacheprovider")
+    result = _run(pytester, monkeypatch, "--cpu-durations=2")
     result.assert_outcomes(passed=2)
     lines = result.stdout.lines
     top = lines.index(next(line for line in lines if "most CPU seconds" in line))
@@ -22,7 +32,7 @@ def test_a_test_is_charged_the_cpu_of_the_processes_it_waited_for(pytester):
     assert idle.endswith("test_burn.py::test_idle") and float(idle_s) < 0.5
 
 
-def test_a_fixture_can_charge_what_it_reaps_to_no_test_less_what_its_forks_charged_to_theirs(pytester):
+def test_a_fixture_can_charge_what_it_reaps_to_no_test_less_what_its_forks_charged_to_theirs(pytester, monkeypatch):
     pytester.makepyfile(test_burn=f"""
         import subprocess, sys
         import pytest
@@ -37,7 +47,7 @@ def test_a_fixture_can_charge_what_it_reaps_to_no_test_less_what_its_forks_charg
         def test_last(shared):
             cpu_time.charge_forked(0.3)  # as warm.run's program, reaped by the shared process
     """)
-    result = pytester.runpytest("-p", "cpu_time", "--cpu-durations=1", "-n", "0", "-p", "no:cacheprovider")
+    result = _run(pytester, monkeypatch, "--cpu-durations=1")
     result.assert_outcomes(passed=1)
     lines = result.stdout.lines
     top = lines.index(next(line for line in lines if "most CPU seconds" in line))

@@ -19,6 +19,7 @@ from apmpo.study.__main__ import (BUILTIN_VARIANTS, Settings, StudyError, check_
                                   method_overrides, parse_args, parse_parallel, parse_variant, parse_variants,
                                   plan_runs, preregister, save_study, saved_methods)
 from apmpo.study.records import RecordError
+from train_runs import with_warm_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -649,7 +650,8 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
             "--set", "rollout.num_servers=1", "--eval-n", "4", "--eval-limit", "12", "--save-every", "1"]
     # As `nohup ... &` from a script starts it: SIGINT ignored (a training run then outlived its study), and stopped
     # with SIGTERM
-    first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    env = with_warm_programs(dict(os.environ))  # its runs forked, as tests/conftest.py's runs are
+    first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     second_run = out / "runs" / "grpo" / "seed_0" / "checkpoints" / "step_1" / "trainer_state.json"
     deadline = time.monotonic() + 600
@@ -667,7 +669,7 @@ def test_study_of_the_quickstart_trains_evaluates_reports_and_resumes(tmp_path):
     assert finished.is_file() and not (out / "runs" / "apmpo" / "seed_0" / "checkpoints").exists()
     mtime = finished.stat().st_mtime
 
-    second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "2 run(s): 1 finished, 1 to run" in second.stdout
     assert finished.stat().st_mtime == mtime  # never rerun

@@ -1,5 +1,7 @@
 """Running `launch/train.py` the way a user does, for the end-to-end tests (a helper module, not a test)."""
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +33,40 @@ def run(command: list[str], timeout: float = 600, **kwargs) -> subprocess.Comple
     return done
 
 
+class WarmPrograms:
+    """Warm processes for what the tests run (apmpo/warm.py), one for each startup environment met: the tests' own
+    imports add settings that every program started afterwards inherits (vLLM's LD_LIBRARY_PATH,
+    TORCHINDUCTOR_COMPILE_THREADS, ...), and a fork must start under the same ones. tests/conftest.py makes one
+    per pytest worker."""
+
+    IMPORTS = (str(ROOT / "launch" / "train.py"), "deepspeed")  # what a learner imports, and DeepSpeed
+
+    def __init__(self, folder: Path, stack: contextlib.ExitStack):
+        self.folder, self.stack, self.paths = folder, stack, {}
+
+    def path_for(self, env: dict[str, str]) -> Path:
+        env = {key: value for key, value in env.items() if key != "PYTHONPATH"}  # the warm process copes with it
+        key = json.dumps(sorted(warm.startup_settings(env).items()))
+        if key not in self.paths:
+            name = f"programs{len(self.paths)}"
+            self.paths[key] = self.stack.enter_context(warm.warm_process(
+                self.folder / f"{name}.sock", self.folder / f"{name}.log", env, imports=self.IMPORTS))
+        return self.paths[key]
+
+
+WARM: WarmPrograms | None = None  # set by tests/conftest.py where slow tests run
+
+
+def with_warm_programs(env: dict[str, str]) -> dict[str, str]:
+    """`env` naming, as APMPO_WARM_PROGRAMS, the warm process for programs started under it (the study's runs)."""
+    return {**env, warm.WARM_PROGRAMS_ENV: str(WARM.path_for(env))} if WARM is not None else env
+
+
 def warm_run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """apmpo.warm.run, with a forked program's CPU seconds charged to the running test (tests/cpu_time.py)."""
-    done = warm.run(command, **kwargs)
+    """apmpo.warm.run through the warm process for the program's environment, with a forked program's CPU
+    seconds charged to the running test (tests/cpu_time.py)."""
+    path = WARM.path_for(kwargs.get("env") or dict(os.environ)) if WARM is not None else None
+    done = warm.run(command, path=path, **kwargs)
     cpu_time.charge_forked(getattr(done, "cpu_s", 0.0))
     return done
 
