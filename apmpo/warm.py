@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import gc
 import json
+import locale
 import os
 import resource
 import runpy
@@ -183,12 +184,17 @@ def run(command: list[str], *, path: str | os.PathLike | None = None, env: dict[
     finally:
         for reader in readers:
             reader.join()
-    stdout, stderr = (output.decode() if text else output for output in outputs) if pipes else (None, None)
+    stdout, stderr = (_text(output) if text else output for output in outputs) if pipes else (None, None)
     done = subprocess.CompletedProcess(command, forked.returncode, stdout, stderr)
     done.cpu_s = forked.cpu_s
     if check:
         done.check_returncode()
     return done
+
+
+def _text(output: bytes) -> str:
+    """As subprocess decodes with text=True: the locale's encoding, universal newlines (tqdm's \r too)."""
+    return output.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ PROBE = """
 import json, os, random, sys
 print(json.dumps({"argv": sys.argv, "path": sys.path[:2], "name": __name__, "cwd": os.getcwd(),
                   "env": os.environ.get("PROBE"), "stdin": sys.stdin.read(), "random": random.random()}))
-print("to stderr", file=sys.stderr)
+print("50%\\r100%\\r\\nto stderr", file=sys.stderr)  # a progress bar's carriage returns
 sys.exit(int(sys.argv[1]))
 """
 
@@ -50,7 +50,7 @@ def test_a_forked_program_sees_what_python_would_have_given_it(warm_json, probes
                           cwd=probes / "lib")
     assert forked.cpu_s > 0  # forked, not started afresh
     assert fresh.returncode == forked.returncode == 3
-    assert fresh.stderr == forked.stderr == "to stderr\n"
+    assert fresh.stderr == forked.stderr == "50%\n100%\nto stderr\n"  # text: universal newlines
     seen_fresh, seen_forked = (json.loads(done.stdout) for done in (fresh, forked))
     assert seen_fresh.pop("random") != seen_forked.pop("random")  # seeded anew, as every fresh interpreter
     assert seen_fresh == seen_forked
