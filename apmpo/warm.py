@@ -251,7 +251,10 @@ def main(listener: socket.socket, imports: tuple[str, ...]) -> None:
     try:
         gc.disable()  # as a server does while it imports (apmpo.rollout.server)
         for name in imports:
-            runpy.run_path(name, run_name="__warm__") if name.endswith(".py") else __import__(name)
+            if name.endswith(".py"):
+                runpy.run_path(name, run_name="__warm__")  # its imports and definitions, not its main()
+            else:
+                __import__(name)
         gc.freeze()  # what was imported stays out of every collection: a program's first ones stay short
         site_path = sys.path[1 + len(_entries(exec_env.get("PYTHONPATH"))):]  # after the script's folder, PYTHONPATH
         # A setting that the imports made (vLLM's PYTORCH_NVML_BASED_CUDA_CHECK) they make in a fresh process too
