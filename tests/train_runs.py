@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import cpu_time
@@ -42,16 +43,17 @@ class WarmPrograms:
     IMPORTS = (str(ROOT / "launch" / "train.py"), "deepspeed")  # what a learner imports, and DeepSpeed
 
     def __init__(self, folder: Path, stack: contextlib.ExitStack):
-        self.folder, self.stack, self.paths = folder, stack, {}
+        self.folder, self.stack, self.paths, self.lock = folder, stack, {}, threading.Lock()
 
     def path_for(self, env: dict[str, str]) -> Path:
         env = {key: value for key, value in env.items() if key != "PYTHONPATH"}  # the warm process copes with it
         key = json.dumps(sorted(warm.startup_settings(env).items()))
-        if key not in self.paths:
-            name = f"programs{len(self.paths)}"
-            self.paths[key] = self.stack.enter_context(warm.warm_process(
-                self.folder / f"{name}.sock", self.folder / f"{name}.log", env, imports=self.IMPORTS))
-        return self.paths[key]
+        with self.lock:  # the benchmark scripts start two at a time, from threads
+            if key not in self.paths:
+                name = f"programs{len(self.paths)}"
+                self.paths[key] = self.stack.enter_context(warm.warm_process(
+                    self.folder / f"{name}.sock", self.folder / f"{name}.log", env, imports=self.IMPORTS))
+            return self.paths[key]
 
 
 WARM: WarmPrograms | None = None  # set by tests/conftest.py where slow tests run
