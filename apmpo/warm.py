@@ -140,9 +140,18 @@ def fork_server(args: list[str], env: dict[str, str], stdout: int, pass_fds: tup
     path = os.environ.get(WARM_SERVERS_ENV)
     if not path:
         return None
+    return fork_to_log([sys.executable, "-m", "apmpo.rollout.server", *args], path, env, stdout, pass_fds,
+                       explain=True)
+
+
+def fork_to_log(command: list[str], path: str | os.PathLike, env: dict[str, str] | None, log: int,
+                pass_fds: tuple[int, ...] = (), cwd: str | os.PathLike | None = None,
+                explain: bool = False) -> ForkedProcess | None:
+    """`fork` as a background program is started: stdin from /dev/null, stdout and stderr into `log`, `pass_fds`
+    under the same numbers; with `explain`, a line in `log` saying why where it cannot be forked."""
     with open(os.devnull, "rb") as devnull:
-        fds = {0: devnull.fileno(), 1: stdout, 2: stdout, **{fd: fd for fd in pass_fds}}
-        return fork([sys.executable, "-m", "apmpo.rollout.server", *args], path, env, fds, explain_to=stdout)
+        fds = {0: devnull.fileno(), 1: log, 2: log, **{fd: fd for fd in pass_fds}}
+        return fork(command, path, env, fds, explain_to=log if explain else None, cwd=cwd)
 
 
 def run(command: list[str], *, path: str | os.PathLike | None = None, env: dict[str, str] | None = None,

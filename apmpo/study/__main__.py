@@ -493,10 +493,7 @@ def _forked(argv: list[str], env: dict[str, str] | None, log_file) -> warm.Forke
     """Forked by the warm process that $APMPO_WARM_PROGRAMS names, where there is one and it can be (apmpo/warm.py:
     the imports of each run's learner and evaluation, once): its program dies with the study, as started ones do."""
     path = os.environ.get(warm.WARM_PROGRAMS_ENV)
-    if not path:
-        return None
-    with open(os.devnull, "rb") as devnull:
-        return warm.fork(argv, path, env, {0: devnull.fileno(), 1: log_file.fileno(), 2: log_file.fileno()}, cwd=ROOT)
+    return warm.fork_to_log(argv, path, env, log_file.fileno(), cwd=ROOT) if path else None
 
 
 def report_progress(active: Active) -> None:
