@@ -331,12 +331,18 @@ def _fork(conn: socket.socket, exec_env: dict[str, str], imports_set: dict[str, 
             conn.send(json.dumps({"refused": why}).encode())
             conn.close()
             return None
+        # Closed by the child once it leads a process group of its own: the caller may be gone the moment it has the
+        # pid, and a kill of that group made before then reaches no one (ESRCH) and leaves the program running.
+        led_read, led_write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            for item in (*closing, conn):
+            for item in (*closing, conn, led_read):
                 with contextlib.suppress(OSError):
                     item.close() if hasattr(item, "close") else os.close(item)
-            _become(request, fds, site_path)
+            _become(request, fds, site_path, led_write)
+        os.close(led_write)
+        os.read(led_read, 1)  # end of file: the child has called setsid (or is gone)
+        os.close(led_read)
         conn.send(json.dumps({"pid": pid}).encode())
         return pid
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -392,8 +398,9 @@ def _reap(children: dict[int, socket.socket], callers: dict[socket.socket, int])
             conn.close()
 
 
-def _become(request: dict, fds: list[int], site_path: list[str]) -> None:
-    """In the forked child: the process that `python COMMAND` would be, started by the caller."""
+def _become(request: dict, fds: list[int], site_path: list[str], led: int) -> None:
+    """In the forked child: the process that `python COMMAND` would be, started by the caller. `led` is closed
+    once it leads its own session and process group."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -401,6 +408,7 @@ def _become(request: dict, fds: list[int], site_path: list[str]) -> None:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()
+        os.close(led)
         above = max([2, *request["fds"]]) + 1  # moved above the numbers the program is given
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]
         for fd in fds:

@@ -40,7 +40,11 @@ class WarmPrograms:
     TORCHINDUCTOR_COMPILE_THREADS, ...), and a fork must start under the same ones. tests/conftest.py makes one
     per pytest worker."""
 
-    IMPORTS = (str(ROOT / "launch" / "train.py"), "deepspeed")  # what a learner imports, and DeepSpeed
+    # What a learner imports, DeepSpeed, and what a learner imports only once it runs: DeepSpeed's optimiser check
+    # imports its Muon optimiser, which calls torch.compile as it loads (Inductor); the metrics' TensorBoard writer;
+    # the model's class. A forked 1-step quickstart learner used 1.1-1.3 CPU s with them, 3.8-4.1 without.
+    IMPORTS = (str(ROOT / "launch" / "train.py"), "deepspeed", "deepspeed.runtime.zero.muon.original_muon",
+               "torch.utils.tensorboard", "transformers.models.qwen2.modeling_qwen2")
 
     def __init__(self, folder: Path, stack: contextlib.ExitStack):
         self.folder, self.stack, self.paths, self.lock = folder, stack, {}, threading.Lock()
