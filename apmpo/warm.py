@@ -17,8 +17,9 @@ read as a process starts (STARTUP: OpenMP's threads, malloc's arenas, the loader
 hub), or its namespaces, control groups, CPU affinity, limits or ids do (process_context): a fork keeps the warm
 process's. Either way the program is the same: the leader of its own session and process group, with the caller's
 environment, working directory, standard streams and descriptors, its command line as its title (`ps`), `sys.argv`,
-`sys.path[0]` and `__main__` as `python` sets them, freshly seeded `random` and numpy generators, and the
-interpreter's exit (threads joined, atexit run, streams flushed). The warm process answers a request with the
+`sys.path[0]` and `__main__` as `python` sets them, freshly seeded `random` and numpy generators, what modules
+set from the environment as they loaded set again under its environment (at_start), and the interpreter's exit
+(threads joined, atexit run, streams flushed). The warm process answers a request with the
 program's pid and, once it has exited, its exit code and CPU seconds; it kills the program's process group when
 the caller is gone, and ends when the process that started it does. CPU only: a fork after the CUDA driver is
 loaded is unsafe, and on a GPU an engine's start outweighs its imports.
@@ -41,7 +42,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 WARM_SERVERS_ENV = "APMPO_WARM_SERVERS"  # where the launcher forks its CPU servers
 WARM_PROGRAMS_ENV = "APMPO_WARM_PROGRAMS"  # where `run` forks, by default
@@ -53,6 +54,13 @@ STARTUP = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "GLIBC_TUNABLES", "MALL
            "PYTORCH_", "DS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "USE_TORCH", "USE_TF",
            "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING")
 REPLY_TIMEOUT_S = 300.0  # a warm process still importing answers once it is done (about 20 s on 2 busy cores)
+_AT_START: list[Callable[[], None]] = []  # at_start's functions
+
+
+def at_start(read_environment: Callable[[], None]) -> None:
+    """Runs `read_environment` (a module's own settings made from the environment as it is imported) again in each
+    program forked from this process, under that program's environment, as its fresh import would have."""
+    _AT_START.append(read_environment)
 
 
 def startup_settings(env: dict[str, str]) -> dict[str, str]:
@@ -211,11 +219,10 @@ def warm_process(path: str | Path, log_path: str | Path, env: dict[str, str] | N
                  imports: tuple[str, ...] = SERVER_IMPORTS) -> Iterator[Path]:
     """A warm process on the unix socket `path` (its output in `log_path`) for as long as the block runs, having
     imported `imports` (modules, or scripts run as modules that are not __main__: their imports and definitions),
-    with `env` (default: this process's; for servers, with the malloc setting that the launcher gives them).
+    with `env` (default: this process's), the startup environment of the programs it will fork (for servers, the
+    launcher's: `server_env`).
     Returns at once: requests made while it imports are answered when it is done."""
     env = dict(os.environ if env is None else env)
-    if imports == SERVER_IMPORTS:
-        env = _as_launcher_starts_servers(env)
     listener = _listen(path)  # bound here: a request made while the warm process imports waits in the backlog
     with open(log_path, "ab") as log, listener:
         process = subprocess.Popen([sys.executable, "-m", "apmpo.warm", "--fd", str(listener.fileno()),
@@ -234,7 +241,8 @@ def warm_process(path: str | Path, log_path: str | Path, env: dict[str, str] | N
             os.unlink(path)
 
 
-def _as_launcher_starts_servers(env: dict[str, str]) -> dict[str, str]:
+def server_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the malloc setting that the launcher starts CPU servers with (read as a process starts)."""
     from apmpo.cpu_memory import with_one_arena
 
     return {**env, "GLIBC_TUNABLES": with_one_arena(env.get("GLIBC_TUNABLES"))}
@@ -465,32 +473,38 @@ def _become(request: dict, fds: list[int], site_path: list[str], led: int) -> No
 
 def _as_if_started() -> None:
     """What a fresh interpreter would have under the caller's environment: garbage collection on, the random
-    generators seeded anew (not shared with every sibling), and the environment-read defaults of the modules that
-    set them on import."""
+    generators seeded anew (not shared with every sibling), and the settings that imported modules made from the
+    environment as they loaded (at_start)."""
     import random
 
     gc.enable()
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    if "apmpo.rollout.vllm_compat" in sys.modules:
-        sys.modules["apmpo.rollout.vllm_compat"].set_process_env()  # its defaults, under this environment
+    for read_environment in _AT_START:
+        read_environment()
 
 
-if __name__ == "__main__":
+def cli() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", nargs="?", help="the unix socket to serve on (APMPO_WARM_SERVERS of its users)")
     parser.add_argument("--fd", type=int, help="an inherited listening socket instead (warm_process())")
-    parser.add_argument("--imports", default=",".join(SERVER_IMPORTS),
-                        help="modules (or scripts, run under another name than __main__) to import once, "
-                             "comma-separated (default: what a server imports)")
+    parser.add_argument("--imports", help="modules (or scripts, run under another name than __main__) to import "
+                                          "once, comma-separated (default: a warm process for servers: what a server "
+                                          "imports, under the malloc setting the launcher starts them with)")
     args = parser.parse_args()
     if (args.path is None) == (args.fd is None):
         parser.error("give a socket path or --fd")
-    imports = tuple(args.imports.split(","))
-    if imports == SERVER_IMPORTS and (server_env := _as_launcher_starts_servers(dict(os.environ))) != os.environ:
+    imports = SERVER_IMPORTS if args.imports is None else tuple(args.imports.split(","))
+    if args.imports is None and (env := server_env(dict(os.environ))) != os.environ:
         # malloc reads its setting as the process starts: again, with the one the launcher gives servers
-        os.execve(sys.executable, [sys.executable, "-m", "apmpo.warm", *sys.argv[1:]], server_env)
+        os.execve(sys.executable, [sys.executable, "-m", "apmpo.warm", *sys.argv[1:]], env)
     main(_listen(args.path) if args.fd is None else socket.socket(fileno=args.fd), imports)
+
+
+if __name__ == "__main__":
+    import apmpo.warm  # the module that the imports see (at_start), not this __main__ copy of it
+
+    apmpo.warm.cli()

@@ -58,10 +58,9 @@ def pytest_xdist_make_scheduler(config, log):
 def tiny_server_env(**changes: str) -> dict[str, str]:
     """A tiny model's CPU server's startup environment as the launcher makes it here (OpenMP threads: the
     launcher's 1 for these models where the suite sets none, -n 0), with `changes`."""
-    from apmpo.cpu_memory import with_one_arena  # noqa: PLC0415
+    from apmpo.warm import server_env  # noqa: PLC0415
 
-    return {**os.environ, "GLIBC_TUNABLES": with_one_arena(os.environ.get("GLIBC_TUNABLES")),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **changes}
+    return server_env({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **changes})
 
 
 @pytest.fixture(scope="session", autouse=True)

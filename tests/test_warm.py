@@ -108,3 +108,16 @@ print(forked.pid, flush=True)
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_what_a_module_read_from_the_environment_as_it_loaded_is_read_again_under_the_programs(tmp_path):
+    # as apmpo.rollout.vllm_compat's defaults for vLLM: a fork of a warm process that imported it has them made
+    # under the program's environment, not the warm process's
+    (tmp_path / "reads_env.py").write_text("import os\nfrom apmpo import warm\n\ndef read():\n    global MODE\n"
+                                            "    MODE = os.environ.get('PROBE_MODE', 'unset')\n\nread()\n"
+                                            "warm.at_start(read)\n")
+    (tmp_path / "prints.py").write_text("import reads_env\nprint(reads_env.MODE)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    with warm.warm_process(tmp_path / "w.sock", tmp_path / "w.log", env, imports=("reads_env",)) as path:
+        fresh, forked = _both([sys.executable, str(tmp_path / "prints.py")], path, env={**env, "PROBE_MODE": "mine"})
+    assert forked.cpu_s > 0 and fresh.stdout == forked.stdout == "mine\n"

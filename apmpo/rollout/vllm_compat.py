@@ -54,6 +54,8 @@ from typing import Any, Callable
 
 import torch
 
+from apmpo import warm
+
 SUPPORTED = ((0, 32), (0, 33))  # inclusive range of (major, minor)
 # KV-cache block size of CPU engines. The n samples of a prompt are n requests scheduled in one step, and the
 # later ones reuse the first one's full prompt blocks from the prefix cache (vLLM caches a block when it
@@ -122,6 +124,7 @@ def set_process_env(on_gpu: bool | None = None) -> None:
 
 
 set_process_env()
+warm.at_start(set_process_env)  # a server forked from a warm process: under its own environment
 
 from apmpo.data.vision import NEVER_SAMPLE_BIAS  # noqa: E402
 from apmpo.rollout import no_torchvision  # noqa: E402
