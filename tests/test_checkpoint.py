@@ -13,21 +13,22 @@ import pytest
 
 from apmpo.config import ConfigError
 from apmpo.learner.checkpoint import check_zero_stage, saved_zero_stage
-from apmpo.rollout.net import free_port
-from train_runs import warm_run
+from train_runs import Ranks, warm_run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "checkpoint_worker.py"
-BIN = Path(sys.executable).parent
 
 
-def run_worker(*args, ranks=1) -> subprocess.CompletedProcess:
-    if ranks == 1:
-        command = [sys.executable, str(WORKER), *map(str, args)]
-    else:
-        command = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
-                   str(WORKER), *map(str, args)]
-    return warm_run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def run_worker(*args) -> subprocess.CompletedProcess:
+    return warm_run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True, timeout=600,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def run_two_ranks(logs: Path, *args) -> tuple[list[int], str]:
+    """The worker as two ranks: their exit codes and their output, together."""
+    codes, outputs = Ranks([sys.executable, str(WORKER), *map(str, args)], 2, logs,
+                           {**os.environ, "PYTHONPATH": str(ROOT)}).finish(600)
+    return codes, "".join(outputs)
 
 
 def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -78,7 +79,8 @@ def test_full_disk_fails_with_the_path_and_keeps_earlier_checkpoints(small_disk)
 @pytest.mark.slow
 def test_rank_zero_decides_the_resume_checkpoint(tmp_path):
     shared = tmp_path / "shared"
-    ok(run_worker("save", shared, tmp_path / "out_shared", "--step", "2", ranks=2))  # and resume
+    codes, output = run_two_ranks(tmp_path / "logs_shared", "save", shared, tmp_path / "out_shared", "--step", "2")
+    assert codes == [0, 0], output[-6000:]  # saved, and resumed
     ranks = [json.loads((tmp_path / "out_shared" / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["step"] for r in ranks] == [2, 2] and ranks[0]["param_sum"] == ranks[1]["param_sum"]
 
@@ -86,9 +88,8 @@ def test_rank_zero_decides_the_resume_checkpoint(tmp_path):
     # for itself started rank 0 at step 2 and rank 1 from scratch, and the ranks hung in their first collective.
     shutil.copytree(shared, tmp_path / "node0")
     (tmp_path / "node1").mkdir()
-    done = run_worker("resume", tmp_path / "node{rank}", tmp_path / "out_local", ranks=2)
-    assert done.returncode != 0
-    output = done.stdout + done.stderr
+    codes, output = run_two_ranks(tmp_path / "logs_local", "resume", tmp_path / "node{rank}", tmp_path / "out_local")
+    assert codes[0] != 0 and codes[1] != 0, output[-6000:]
     assert ("cannot resume: rank(s) [1] cannot read checkpoint 'step_2', which rank 0 resumes from (rank 1 looked "
             f"in {tmp_path / 'node1' / 'checkpoints' / 'step_2'}); multi-node runs need a run directory shared") in output
     assert not (tmp_path / "out_local").exists()

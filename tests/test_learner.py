@@ -2,7 +2,7 @@
 
 The same synthetic rollout batch goes through the real DeepSpeed ZeRO-2 engine (gloo on CPU) with a large
 token budget (one micro-batch per optimiser step), a tiny one (many micro-batches accumulated), and two
-learner processes under the `deepspeed` launcher. The one-process scenarios of every test run in one worker
+learner processes (gloo) as DeepSpeed's launcher starts them. The one-process scenarios of every test run in one worker
 process (the `single_rank` fixture): a process per scenario cost most of this module's time. Gradient norms are compared step by step (a wrong
 normaliser changes them even where Adam's update would hide it) and the parameters after the steps.
 """
@@ -15,26 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from apmpo.rollout.net import free_port
-from train_runs import warm_run
+from train_runs import Ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "learner_update_worker.py"
-BIN = Path(sys.executable).parent
 
 
 def run_worker(tmp_path, scenarios: dict[str, dict], ranks=1) -> dict[str, list[dict]]:
     """Runs the named scenarios (tests/learner_update_worker.py) in one worker; their results per rank."""
     spec = [{"out": str(tmp_path / name), **scenario} for name, scenario in scenarios.items()]
     (tmp_path / "scenarios.json").write_text(json.dumps(spec))
-    if ranks == 1:
-        command = [sys.executable, str(WORKER), str(tmp_path / "scenarios.json")]
-    else:
-        command = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
-                   str(WORKER), str(tmp_path / "scenarios.json")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = warm_run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    command = [sys.executable, str(WORKER), str(tmp_path / "scenarios.json")]
+    codes, outputs = Ranks(command, ranks, tmp_path / "logs", {**os.environ, "PYTHONPATH": str(ROOT)}).finish(600)
+    assert codes == [0] * ranks, "".join(output[-3000:] for output in outputs)
     return {name: [torch.load(tmp_path / name / f"rank{r}.pt") for r in range(ranks)] for name in scenarios}
 
 

@@ -11,32 +11,25 @@ import torch
 from apmpo import preflight
 from apmpo.config import ConfigError, load_config
 from apmpo.learner.engine import check_devices, cpu_threads, load_model
-from apmpo.rollout.net import free_port
+from train_runs import Ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "learner_setup_worker.py"
 
 
-def start_ranks(*args, world_size=2):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0"}
-    return [subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], env={**env, "RANK": str(r)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world_size)]
-
-
-def finish(procs, timeout=300):
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    return [p.returncode for p in procs], outs
+def start_ranks(logs, *args, world_size=2) -> Ranks:
+    return Ranks([sys.executable, str(WORKER), *map(str, args)], world_size, logs,
+                 {**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.slow
-def test_ranks_outwait_a_slow_rank_zero_within_the_timeout():
+def test_ranks_outwait_a_slow_rank_zero_within_the_timeout(tmp_path):
     # Rank 0 busy for 8 s (starting the server, generating): a 3 s timeout kills the waiting rank, as NCCL's
     # default does after 10 min on a real cold start; a timeout above the delay lets every rank go on.
-    short, long = start_ranks("timeout", 3, 8), start_ranks("timeout", 60, 8)  # both at once: half the time
-    codes, outs = finish(short)
+    short, long = start_ranks(tmp_path / "short", "timeout", 3, 8), start_ranks(tmp_path / "long", "timeout", 60, 8)
+    codes, outs = short.finish()  # both at once: half the time
     assert codes[1] != 0 and "received" not in outs[1], outs[1][-2000:]
-    codes, outs = finish(long)
+    codes, outs = long.finish()
     assert codes == [0, 0], outs
     assert all(f"rank {r} received batch" in out for r, out in enumerate(outs))
 
@@ -166,7 +159,7 @@ def test_a_policy_with_dropout_is_refused(tmp_path, tiny_tied):
 @pytest.mark.slow
 def test_bf16_micro_batch_gradients_accumulate_in_fp32(tmp_path):
     k = 32  # at paper scale ~60 micro-batches per optimiser step
-    codes, outs = finish(start_ranks("bf16_accumulation", tmp_path / "grads.pt", k, world_size=1))
+    codes, outs = start_ranks(tmp_path, "bf16_accumulation", tmp_path / "grads.pt", k, world_size=1).finish()
     assert codes == [0], outs[0][-3000:]
     result = torch.load(tmp_path / "grads.pt")
     worst_engine = worst_bf16 = 0.0
@@ -186,7 +179,7 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32(tmp_path):
 def test_a_bf16_learner_dithers_its_master_weights_so_that_small_drifts_reach_the_forward(tmp_path):
     # Two ZeRO-2 ranks, each holding half of the masters. Every master drifts up by a tenth of its bf16 interval:
     # on the grid (no dither) no bf16 weight moves; dithered, a tenth of them moves, each one step up.
-    codes, outs = finish(start_ranks("dither", tmp_path / "dither"))
+    codes, outs = start_ranks(tmp_path, "dither", tmp_path / "dither").finish()
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     ranks = [torch.load(tmp_path / f"dither.{r}.pt") for r in (0, 1)]
     initial, on, off = ranks[0]["initial"], ranks[0]["on"], ranks[0]["off"]

@@ -77,5 +77,41 @@ def warm_run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
+class Ranks:
+    """`command` (`python SCRIPT ...`) as `world_size` ranks on this host, with the variables DeepSpeed's launcher
+    gives each (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each forked by the warm process for its
+    environment where it can be (tests/conftest.py), else started; rank r's output in `logs`/rank{r}.log. For
+    tests of what ranks compute together: the launcher itself (its runner, its launch process, the ranks' imports:
+    about 25 CPU s a launch) has its own tests (test_train_cli, test_zero3, test_multinode, ...)."""
+
+    def __init__(self, command: list[str], world_size: int, logs: Path, env: dict[str, str] | None = None):
+        from apmpo.rollout.net import free_port  # noqa: PLC0415
+
+        env = {**(os.environ if env is None else env), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port())}
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs, self.processes = [logs / f"rank{r}.log" for r in range(world_size)], []
+        for r, log_path in enumerate(self.logs):
+            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            with open(log_path, "wb") as log:
+                self.processes.append(
+                    WARM is not None and warm.fork_to_log(command, WARM.path_for(rank_env), rank_env, log.fileno(),
+                                                          cwd=ROOT)
+                    or subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True))
+
+    def finish(self, timeout: float = 300) -> tuple[list[int], list[str]]:
+        """Every rank's exit code and output, once all have ended (killed, and the test failed, past `timeout`)."""
+        try:
+            codes = [process.wait(timeout=timeout) for process in self.processes]
+        finally:
+            for process in self.processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+                cpu_time.charge_forked(getattr(process, "cpu_s", 0.0))
+        return codes, [log.read_text(errors="replace") for log in self.logs]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
