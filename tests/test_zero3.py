@@ -1,4 +1,5 @@
-"""ZeRO-3 end to end: the quickstart through the `deepspeed` launcher with 2 learner ranks (gloo), each holding half
+"""ZeRO-3 end to end: the quickstart with 2 learner ranks (gloo, started as DeepSpeed's launcher starts them; the
+launcher itself: tests/test_train_cli.py), each holding half
 of every weight. Every reader of whole weights is on the path: the push after each step (streamed, a module's
 parameters gathered at a time, the other rank joining rank 0's gathers), the checkpoints' hf/ export, save_best
 after each validation, and the KL reference (partitioned as the policy is). The step itself against ZeRO-2's, and
@@ -16,34 +17,36 @@ from transformers import AutoModelForCausalLM
 from apmpo import preflight
 from apmpo.config import ConfigError, load_config
 from apmpo.learner.checkpoint import check_zero_stage, saved_zero_stage
-from apmpo.rollout.net import free_port
 from test_validation import CLI as EVAL_CLI  # the quickstart's validation settings, as the eval CLI takes them
-from train_runs import ROOT, metrics, run, train_command, warm_run
+from train_runs import ROOT, Ranks, metrics, train_command, warm_run
 
 ZERO3_RUN = ("train.zero_stage=3", "loss.kl_beta=0.01", "train.steps=4", "checkpoint.save_every=2",
              "checkpoint.keep_last=3", "eval.every=2", "eval.limit=40",
              "checkpoint.keep_best=val/quickstart_val/pass@1")
 
 
+def on_two_ranks(command: list[str], logs: Path) -> str:
+    """`command` as 2 learner ranks; rank 0's output once both have ended, each with exit code 0."""
+    codes, outputs = Ranks(command, 2, logs).finish(900)
+    assert codes == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
+    return outputs[0]
+
+
 def zero3_command(out_dir, servers: str, *extra: str) -> list[str]:
-    """ZERO3_RUN through the `deepspeed` launcher with 2 ranks, generating on `servers` (conftest's
-    quickstart_servers: rollout.urls)."""
-    command = train_command("configs/quickstart.yaml", *ZERO3_RUN, servers, f"logging.output_dir={out_dir}")
-    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-            *command[1:], *extra]
+    """ZERO3_RUN generating on `servers` (conftest's quickstart_servers: rollout.urls)."""
+    return [*train_command("configs/quickstart.yaml", *ZERO3_RUN, servers, f"logging.output_dir={out_dir}"), *extra]
 
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, quickstart_servers):
     out = tmp_path_factory.mktemp("zero3")
-    done = run(zero3_command(out, quickstart_servers.urls()), timeout=900)
-    return done, out / "quickstart"
+    return on_two_ranks(zero3_command(out, quickstart_servers.urls()), out / "logs"), out / "quickstart"
 
 
 @pytest.mark.slow
 def test_zero3_trains_checkpoints_and_exports_on_two_ranks(zero3_run, tmp_path):
-    done, run_dir = zero3_run
-    assert "2 learner rank(s)" in done.stdout
+    output, run_dir = zero3_run
+    assert "2 learner rank(s)" in output
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["train/skipped_steps"] == 0 and r["loss/kl"] > 0 for r in rows)  # the reference was used
@@ -72,8 +75,8 @@ def test_zero3_resumes_on_both_ranks_to_the_same_next_steps(zero3_run, quickstar
     _, run_dir = zero3_run
     shutil.copytree(run_dir, tmp_path / "quickstart")
     shutil.rmtree(tmp_path / "quickstart" / "checkpoints" / "step_4")
-    done = run(zero3_command(tmp_path, quickstart_servers.urls(), "--resume"), timeout=900)
-    assert "resuming at step 2" in done.stdout
+    output = on_two_ranks(zero3_command(tmp_path, quickstart_servers.urls(), "--resume"), tmp_path / "logs")
+    assert "resuming at step 2" in output
     reference, resumed = metrics(run_dir), metrics(tmp_path / "quickstart")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for want, got in zip(reference[2:], resumed[2:]):
@@ -114,8 +117,7 @@ def test_zero3_with_lora_pushes_and_exports_the_whole_adapter(tmp_path):
     command = train_command("configs/quickstart_lora.yaml", "train.zero_stage=3", "train.steps=2",
                             "checkpoint.save_every=2", "eval.every=2", "eval.limit=20",
                             "checkpoint.keep_best=val/quickstart_val/pass@1", f"logging.output_dir={tmp_path}")
-    run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-         *command[1:]], timeout=900)
+    on_two_ranks(command, tmp_path / "logs")
     run_dir = tmp_path / "quickstart_lora"
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
