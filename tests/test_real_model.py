@@ -106,8 +106,8 @@ def test_a_name_resolves_to_the_cache_and_an_unfetched_one_says_how_to_fetch(mod
     monkeypatch.setenv("APMPO_CACHE", str(tmp_path))  # an empty cache
     with pytest.raises(ConfigError, match=rf"model.path: .*python -m apmpo.models fetch {NAME}"):
         preflight.check(load_config(ROOT / "configs/smollm2_arith.yaml"))
-    done = subprocess.run([sys.executable, "-m", "apmpo.eval", "--model", NAME, "--benchmarks", "arith_test",
-                           "--out", str(tmp_path / "eval")], capture_output=True, text=True, env=os.environ.copy())
+    done = warm_run([sys.executable, "-m", "apmpo.eval", "--model", NAME, "--benchmarks", "arith_test", "--out",
+                     str(tmp_path / "eval")], capture_output=True, text=True, env=os.environ.copy(), timeout=300)
     assert done.returncode == 1 and f"run `python -m apmpo.models fetch {NAME}` first" in done.stderr
 
 
