@@ -342,7 +342,11 @@ def _fork(conn: socket.socket, exec_env: dict[str, str], imports_set: dict[str, 
         # Closed by the child once it leads a process group of its own: the caller may be gone the moment it has the
         # pid, and a kill of that group made before then reaches no one (ESRCH) and leaves the program running.
         led_read, led_write = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(led_read), os.close(led_write)
+            raise
         if pid == 0:
             for item in (*closing, conn, led_read):
                 with contextlib.suppress(OSError):
