@@ -1,10 +1,10 @@
 """One training update is independent of how the batch is split: micro-batches, accumulation, ranks.
 
-The same synthetic rollout batch goes through the real DeepSpeed ZeRO-2 engine (gloo on CPU) with a large
-token budget (one micro-batch per optimiser step), a tiny one (many micro-batches accumulated), and two
-learner processes (gloo) as DeepSpeed's launcher starts them. The one-process scenarios of every test run in one worker
-process (the `single_rank` fixture): a process per scenario cost most of this module's time. Gradient norms are compared step by step (a wrong
-normaliser changes them even where Adam's update would hide it) and the parameters after the steps.
+The same synthetic rollout batch goes through the real DeepSpeed ZeRO-2 engine (gloo on CPU) with a large token
+budget (one micro-batch per optimiser step), a tiny one (many micro-batches accumulated), and two learner processes
+(gloo) as DeepSpeed's launcher starts them. The one-process scenarios of every test run in one worker process (the
+`single_rank` fixture): a process per scenario cost most of this module's time. Gradient norms are compared step by
+step (a wrong normaliser changes them even where Adam's update would hide it) and the parameters after the steps.
 """
 import json
 import math
