@@ -101,8 +101,9 @@ def test_cpu_engines_compile_text_models_when_a_cxx_compiler_exists(monkeypatch)
 
 
 def test_a_cpu_engine_builds_without_collections_then_collects_once():
-    """Inside: no automatic collection, and vLLM's gc.collect() calls do nothing; after: gc as it was, the garbage
-    of the build collected, and a heap that was frozen inside frozen again. Also when the build fails."""
+    """Inside: no automatic collection, and vLLM's gc.collect() calls do nothing; one collection frees the build's
+    garbage before vLLM freezes its heap, one more after the build; a heap frozen before the build (a forked
+    server's) is neither collected nor unfrozen; after: gc as it was. Also when the build fails."""
     import gc
     import weakref
 
@@ -110,21 +111,37 @@ def test_a_cpu_engine_builds_without_collections_then_collects_once():
         def __init__(self):
             self.me = self
 
-    collect, collections = gc.collect, gc.get_stats()[2]["collections"]
+    def garbage_cycle() -> weakref.ref:  # garbage that only a collection frees
+        cycle = Cycle()
+        return weakref.ref(cycle)
+
+    collect, freeze, collections = gc.collect, gc.freeze, gc.get_stats()[2]["collections"]
     assert gc.isenabled()
+    frozen_before = garbage_cycle()
+    gc.freeze()  # as a warm process does before it forks a server
+    frozen_count = gc.get_freeze_count()
     with compat._collected_once():
         assert not gc.isenabled() and gc.collect() == 0
-        cycle = Cycle()  # garbage that only a collection frees
-        garbage = weakref.ref(cycle)
-        del cycle
+        garbage = garbage_cycle()
         gc.freeze()  # as vLLM does once its engine is up
-        assert garbage() is not None
-    assert gc.isenabled() and gc.collect is collect and gc.get_stats()[2]["collections"] == collections + 1
-    assert garbage() is None and gc.get_freeze_count() > 0
+        assert garbage() is None and gc.get_freeze_count() > frozen_count
+        late = garbage_cycle()
+        assert late() is not None
+    assert gc.isenabled() and gc.collect is collect and gc.freeze is freeze
+    assert gc.get_stats()[2]["collections"] == collections + 2
+    assert late() is None and frozen_before() is not None and gc.get_freeze_count() > frozen_count
     gc.unfreeze()
+    gc.collect()
+    assert frozen_before() is None
+
+    collections = gc.get_stats()[2]["collections"]
+    with compat._collected_once():  # an engine that freezes nothing
+        garbage = garbage_cycle()
+    assert garbage() is None and gc.get_freeze_count() == 0
+    assert gc.get_stats()[2]["collections"] == collections + 1
     with pytest.raises(RuntimeError), compat._collected_once():
         raise RuntimeError("the engine failed to start")
-    assert gc.isenabled() and gc.collect is collect and gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.collect is collect and gc.freeze is freeze and gc.get_freeze_count() == 0
 
 
 def test_cpu_engines_sample_by_inverse_cdf_from_the_softmax():
