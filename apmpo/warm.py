@@ -1,5 +1,5 @@
 """Python programs forked from a process that has imported their modules once: a CPU server's start takes about
-4 CPU seconds instead of 18, a learner's about 3 fewer than its 11 of imports.
+3 CPU seconds instead of 18, a learner's about 3 fewer than its 11 of imports.
 
 Most of a short process's start on CPU is imports: torch, transformers and vLLM for a server (about 14 of a tiny
 model's 18 CPU seconds, 2026-11-29), torch and transformers' model classes for a learner (about 8). Where such
