@@ -433,6 +433,40 @@ study.run_all([run], study.Settings("configs/quickstart.yaml"), [study.Slot()], 
     assert plan_runs(tmp_path, settings, {"grpo": ("loss.name=grpo",)}, ["grpo"], [0])[0].before == seconds
 
 
+def test_a_failed_attempt_is_recorded_run_again_and_reported(tmp_path, monkeypatch, capsys):
+    """A run whose training was killed after step 4 (SIGKILL, as the kernel's OOM killer did to one of the study's
+    runs on 2026-11-30): the failure is kept in elapsed.json, the study's next start says it runs the run again and
+    why, and the finished run's result and the report list the failed attempt."""
+    from apmpo.config import load_config
+    from apmpo.study import __main__ as study
+
+    run_dir = tmp_path / "runs" / "grpo" / "seed_0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
+    # A fake for the fault: a training process killed by SIGKILL
+    monkeypatch.setattr(study, "commands", lambda run, settings, slot: iter([("training", ["sh", "-c", "kill -9 $$"],
+                                                                              None)]))
+    settings = Settings("configs/quickstart.yaml")
+    run = study.Run("grpo", 0, (), (), run_dir, load_config("configs/quickstart.yaml"))
+    assert study.run_all([run], settings, [study.Slot()], print) == [run]
+    failure = records.read(run_dir / "elapsed.json", records.Elapsed).failures
+    assert [(f.what, f.exit, f.after_step) for f in failure] == [("training", -9, 4)]
+
+    again = plan_runs(tmp_path, settings, {"grpo": ("loss.name=grpo",)}, ["grpo"], [0])[0]
+    assert list(again.failures) == failure
+    capsys.readouterr()
+    study.run_all([again], settings, [study.Slot()], print)
+    assert f"grpo seed 0; again, after: training failed (exit -9, after step 4, {failure[0].at})" in \
+        capsys.readouterr().out
+    assert len(records.read(run_dir / "elapsed.json", records.Elapsed).failures) == 2
+
+    write_run(tmp_path / "study", {**fake_result("grpo", 0, [1, 2]), "failures": [failure[0].model_dump()]})
+    write_run(tmp_path / "study", fake_result("apmpo", 0, [1, 2]))
+    text = report.render(report.build(records.load_results(tmp_path / "study"), ["apmpo", "grpo"], "grpo"))
+    assert f"- grpo seed 0: training failed (exit -9, after step 4, {failure[0].at})\n" in text
+    assert "apmpo seed 0:" not in text
+
+
 # ---------------------------------------------------------------------------- inputs
 
 

@@ -23,7 +23,8 @@ config's validation benchmarks, all problems (--eval-limit), --eval-n samples at
 one eval sampling seed shared by every run. A run is finished once its result.json is written; a killed study
 goes on where it stopped: a finished run is never rerun, a run killed mid-training resumes from its last
 checkpoint (every --save-every steps), an evaluation from its samples so far, and its wall time counts every
-attempt (elapsed.json). OUT/study.json records the base config, the shared --set and each method's overrides: a
+attempt (elapsed.json). A run whose training or evaluation failed is run again by the study's next start; each
+failed attempt is recorded (its process, exit code and last step) and the report lists them. OUT/study.json records the base config, the shared --set and each method's overrides: a
 later call may add methods and seeds, and refuses to change what earlier runs were trained with. A run's
 checkpoints are deleted once it is evaluated, unless --keep-checkpoints (a 135M model's take 2.7 GB a run).
 OUT/.gitignore leaves out checkpoints, logs and samples, so the folder can be committed as runs finish.
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
 import json
 import os
 import shlex
@@ -104,6 +106,7 @@ class Run:
     started: float = field(default_factory=time.monotonic)  # this attempt's start
     before: float = 0.0  # seconds of the earlier attempts (elapsed.json when the study started)
     machines: tuple[str, ...] = ()  # where its attempts ran, this one's included (elapsed.json's, then this one)
+    failures: tuple[records.Failure, ...] = ()  # its attempts that failed (elapsed.json's, then this study's)
 
     @property
     def name(self) -> str:
@@ -253,7 +256,7 @@ def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]
             earlier = records.read(elapsed, records.Elapsed) if elapsed.is_file() else records.Elapsed(seconds=0.0)
             machines = tuple(dict.fromkeys([*earlier.machines, records.this_machine()]))
             run = Run(method, seed, methods[method], overrides, run_dir, cfg, before=earlier.seconds,
-                      machines=machines)
+                      machines=machines, failures=tuple(earlier.failures))
             _check_same_config(run)
             runs.append(run)
     return runs
@@ -370,6 +373,7 @@ def write_result(run: Run, settings: Settings, targets: list, best: dict | None)
         "validation": [[s, m[key]] for s, m in metrics.items() if key and isinstance(m.get(key), (int, float))],
         "train_seconds": round(sum(m.get("time/step", 0.0) for m in metrics.values()), 1),
         "seconds": round(_elapsed(run), 1), "eval": evals, "machines": list(run.machines),
+        "failures": [f.model_dump() for f in run.failures],
     }
     write_atomic(run.result_path, json.dumps(result, indent=1) + "\n")
 
@@ -382,7 +386,17 @@ def _elapsed(run: Run) -> float:
 def _save_elapsed(run: Run) -> None:
     """elapsed.json, rewritten at every poll of the run (2 s): an attempt killed outright loses that much."""
     run.dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run.dir / "elapsed.json", json.dumps({"seconds": _elapsed(run), "machines": run.machines}) + "\n")
+    write_atomic(run.dir / "elapsed.json", json.dumps({"seconds": _elapsed(run), "machines": run.machines,
+                                                       "failures": [f.model_dump() for f in run.failures]}) + "\n")
+
+
+def _record_failure(run: Run, what: str, code: int) -> None:
+    """Kept in elapsed.json and then result.json: a report says which runs needed another attempt, and why."""
+    steps = _read_metrics(run.dir / "metrics.jsonl")
+    failure = records.Failure(what=what, exit=code, after_step=max(steps, default=0),
+                              at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    run.failures += (failure,)
+    _save_elapsed(run)
 
 
 def _correct_counts(eval_dir: Path) -> dict:
@@ -539,7 +553,9 @@ def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished)
                 if left and not any(a.slot is slot for a in active):
                     run = left.pop(0)
                     run.started = time.monotonic()
-                    log(f"run {total - len(left) - len(active)}/{total}: {run.name}")
+                    failures = [records.describe_failure(f.model_dump()) for f in run.failures]
+                    log(f"run {total - len(left) - len(active)}/{total}: {run.name}"
+                        + (f"; again, after: {'; '.join(failures)}" if failures else ""))
                     a = Active(run, commands(run, settings, slot), slot)
                     if start_next(a):
                         active.append(a)
@@ -554,6 +570,7 @@ def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished)
                     continue
                 a.log_file.close()
                 if code != 0:
+                    _record_failure(a.run, a.what, code)
                     tail = (a.run.dir / ("train.log" if a.what == "training" else f"{a.what.replace(' ', '_')}.log"))
                     log(f"  {a.run.name}: {a.what} FAILED (exit {code}); last lines of {tail}:\n"
                         + "\n".join(tail.read_text(errors="replace").splitlines()[-15:]))

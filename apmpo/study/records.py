@@ -92,9 +92,24 @@ class Study(Record):
     plan: Plan | None = None
 
 
+class Failure(Record):
+    """An attempt of a run that failed; the study's next start runs it again (from its last checkpoint)."""
+    what: str  # the process that failed: "training", "eval last", ...
+    exit: int  # its exit code; negative: killed by that signal (-9: SIGKILL, the kernel's OOM killer among others)
+    after_step: int = Field(ge=0)  # the last step in the run's metrics.jsonl when it failed
+    at: str  # when, UTC, ISO 8601
+
+
+def describe_failure(failure: dict) -> str:
+    """A Failure (as a dict, as results hold it) in words."""
+    return (f"{failure['what']} failed (exit {failure['exit']}, after step {failure['after_step']}, "
+            f"{failure['at']})")
+
+
 class Elapsed(Record):
     seconds: float = Field(ge=0)
     machines: list[str] = Field(default_factory=list)  # this_machine() of each attempt, in order, once each
+    failures: list[Failure] = Field(default_factory=list)
 
 
 class Benchmark(Record):
@@ -130,6 +145,7 @@ class Result(Record):
     seconds: float = Field(ge=0)  # wall time, every attempt and the evaluations
     eval: dict[Literal["last", "best"], Evaluation]
     machines: list[str] = Field(default_factory=list)  # this_machine() of its attempts; [] before 2026-11-29
+    failures: list[Failure] = Field(default_factory=list)  # its attempts that failed; not recorded before 2026-11-30
 
     @model_validator(mode="after")
     def _has_last(self) -> Result:

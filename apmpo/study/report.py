@@ -137,6 +137,9 @@ def build(results: dict[str, dict[int, dict]], methods: list[str], reference: st
                 table[method]["vs_reference"] = _paired(evals, ref_evals)
         report["checkpoints"][which] = table
     report["machines"] = _machines(results)
+    if failures := {f"{method} seed {seed}": result["failures"] for method, runs in results.items()
+                    for seed, result in sorted(runs.items()) if result["failures"]}:
+        report["failures"] = failures  # a failed attempt is kept (records.Failure): none in most studies
     if plan is not None:
         report["answer"] = answer(results, plan, separations)
     return report
@@ -319,6 +322,10 @@ def render(report: dict, title: str = "Study") -> str:
                   "digit on one machine, not across machines (other CPU kernels, other roundings), so a pair whose "
                   "runs ran on different machines differs by more than its methods (docs/study.md). Where each ran:",
                   ""] + [f"- {machine}: {', '.join(runs)}" for machine, runs in machines.items()] + [""]
+    if failures := report.get("failures"):
+        lines += ["Runs that failed and were run again by the study's next start (from their last checkpoint): "
+                  "the attempt that finished is the one reported."] + [
+            f"- {run}: " + "; ".join(map(records.describe_failure, fs)) for run, fs in failures.items()] + [""]
     for which in CHECKPOINTS:
         table = report["checkpoints"].get(which)
         if not table:
