@@ -284,7 +284,7 @@ def build_engine(args: EngineArgs) -> vllm.LLM:
             vllm.ModelRegistry.register_model(cls.__name__, cls)
     # On CPU the engine builds in this process without garbage collections but one (_collected_once): 2 s less of
     # its start; and its gloo groups share one transport (_one_gloo_device).
-    with contextlib.ExitStack() if torch.cuda.is_available() else _cpu_build():
+    with contextlib.nullcontext() if torch.cuda.is_available() else _cpu_build():
         return vllm.LLM(
             model=args.model,
             dtype=args.dtype,
@@ -344,7 +344,7 @@ def _one_gloo_device():
     """The gloo groups made inside (vLLM's: about 13 on CPU, each of its parallel groups twice) share one gloo
     transport device, as they would share one with options naming it, and so one event loop thread: each device's
     thread wakes every 10 ms (gloo's tcp Loop polls epoll with that timeout) and 13 of them kept an idle server
-    2.3% busy. The devices are those a gloo group makes by itself (torch's `ProcessGroupGloo(store, rank, size,
+    2.4% busy. The devices are those a gloo group makes by itself (torch's `ProcessGroupGloo(store, rank, size,
     timeout)`): one per interface that GLOO_SOCKET_IFNAME lists, else the default one."""
     from torch.distributed import distributed_c10d
 

@@ -24,9 +24,10 @@ one eval sampling seed shared by every run. A run is finished once its result.js
 goes on where it stopped: a finished run is never rerun, a run killed mid-training resumes from its last
 checkpoint (every --save-every steps), an evaluation from its samples so far, and its wall time counts every
 attempt (elapsed.json). A run whose training or evaluation failed is run again by the study's next start; each
-failed attempt is recorded (its process, exit code and last step) and the report lists them. OUT/study.json records the base config, the shared --set and each method's overrides: a
-later call may add methods and seeds, and refuses to change what earlier runs were trained with. A run's
-checkpoints are deleted once it is evaluated, unless --keep-checkpoints (a 135M model's take 2.7 GB a run).
+failed attempt is recorded (its process, exit code and last step) and the report lists them. OUT/study.json
+records the base config, the shared --set and each method's overrides: a later call may add methods and seeds,
+and refuses to change what earlier runs were trained with. A run's checkpoints are deleted once it is evaluated,
+unless --keep-checkpoints (a 135M model's take 2.7 GB a run).
 OUT/.gitignore leaves out checkpoints, logs and samples, so the folder can be committed as runs finish.
 
 Runs go one after another. On a machine with several GPUs, --parallel "0+1;2+3" runs as many at once as it has
