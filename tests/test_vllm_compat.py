@@ -166,7 +166,7 @@ print(loops(), int(total), groups[0]._get_backend(torch.device("cpu")).options._
 
 
 def test_an_engines_gloo_groups_share_one_transport_thread(tmp_path):
-    """vLLM's 13 gloo groups on CPU had a transport thread each, waking every 10 ms (2.3% of a core on an idle
+    """vLLM's 13 gloo groups on CPU had a transport thread each, waking every 10 ms (2.4% of a core on an idle
     server). Made inside _one_gloo_device they have one, work, and keep their timeout; a group made after has its
     own again."""
     out = subprocess.run([sys.executable, "-c", GLOO_GROUPS, str(tmp_path / "store")], capture_output=True, text=True,
