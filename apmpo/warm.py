@@ -15,14 +15,15 @@ subprocess.run for any `python SCRIPT ...` or `python -m MODULE ...` through a g
 afresh instead where no warm process answers, where its environment differs from the warm process's in a setting
 read as a process starts (STARTUP: OpenMP's threads, malloc's arenas, the loader, Python, PyTorch, DeepSpeed, the
 hub), or its namespaces, control groups, CPU affinity, limits or ids do (process_context): a fork keeps the warm
-process's. Either way the program is the same: the leader of its own session and process group, with the caller's
-environment, working directory, standard streams and descriptors, its command line as its title (`ps`), `sys.argv`,
-`sys.path[0]` and `__main__` as `python` sets them, freshly seeded `random` and numpy generators, what modules
-set from the environment as they loaded set again under its environment (at_start), and the interpreter's exit
-(threads joined, atexit run, streams flushed). The warm process answers a request with the
-program's pid and, once it has exited, its exit code and CPU seconds; it kills the program's process group when
-the caller is gone, and ends when the process that started it does. CPU only: a fork after the CUDA driver is
-loaded is unsafe, and on a GPU an engine's start outweighs its imports.
+process's; but a warm process run by root has its program join the caller's network and mount namespaces (JOINED:
+`ip netns exec` changes both, as a node of the two-node tests runs). Either way the program is the same: the leader
+of its own session and process group, with the caller's environment, working directory, standard streams and
+descriptors, its command line as its title (`ps`), `sys.argv`, `sys.path[0]` and `__main__` as `python` sets them,
+freshly seeded `random` and numpy generators, what modules set from the environment as they loaded set again under
+its environment (at_start), and the interpreter's exit (threads joined, atexit run, streams flushed). The warm
+process answers a request with the program's pid and, once it has exited, its exit code and CPU seconds; it kills
+the program's process group when the caller is gone, and ends when the process that started it does. CPU only: a
+fork after the CUDA driver is loaded is unsafe, and on a GPU an engine's start outweighs its imports.
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ STARTUP = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "GLIBC_TUNABLES", "MALL
            "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING")
 REPLY_TIMEOUT_S = 300.0  # a warm process still importing answers once it is done (about 20 s on 2 busy cores)
 _AT_START: list[Callable[[], None]] = []  # at_start's functions
+# The namespaces a forked program joins, the caller's where they differ from the warm process's (setns: root only).
+# A caller sends them with every request: the warm process alone knows whether they differ.
+JOINED = ("net", "mnt")
 
 
 def at_start(read_environment: Callable[[], None]) -> None:
@@ -125,14 +129,18 @@ def fork(command: list[str], path: str | os.PathLike, env: dict[str, str] | None
                           "cwd": os.path.abspath(cwd or os.getcwd()), "fds": list(fds),
                           "context": process_context()}).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY) for name in JOINED]  # sent after the program's
     try:
         conn.settimeout(REPLY_TIMEOUT_S)
         conn.connect(os.fspath(path))
-        socket.send_fds(conn, [request], list(fds.values()))
+        socket.send_fds(conn, [request], [*fds.values(), *namespaces])
         reply = json.loads(conn.recv(4096) or b'{"refused": "the warm process closed the connection"}')
         conn.settimeout(None)
     except (OSError, ValueError) as error:
         reply = {"refused": f"no answer from the warm process at {path}: {error}"}
+    finally:
+        for fd in namespaces:
+            os.close(fd)
     if "pid" in reply:
         return ForkedProcess(reply["pid"], conn)
     conn.close()
@@ -329,10 +337,11 @@ def _fork(conn: socket.socket, exec_env: dict[str, str], imports_set: dict[str, 
         differ = sorted(key for key in {*startup_settings(exec_env), *startup_settings(env)}
                         if exec_env.get(key) != env.get(key) and key != "PYTHONPATH"
                         and not (key in imports_set and env.get(key) in (None, imports_set[key])))
-        differ += [key for key in context if context[key] != request["context"].get(key)]
+        joins = {f"{name} namespace" for name in JOINED} if os.geteuid() == 0 else set()
+        differ += [key for key in context if context[key] != request["context"].get(key) and key not in joins]
         differ += [f"PYTHONPATH ({shadowing} would have been imported from there)"
                    for shadowing in _shadowed(_entries(env.get("PYTHONPATH")))]
-        if differ or len(fds) != len(request["fds"]) or _program(request["command"]) is None:
+        if differ or len(fds) != len(request["fds"]) + len(JOINED) or _program(request["command"]) is None:
             why = (f"the warm process started with other {', '.join(differ)}" if differ
                    else f"not a Python program it can run: {request['command'][:3]}")
             print(f"[apmpo.warm] refused {request['command'][:3]}: {why}", flush=True)
@@ -412,7 +421,8 @@ def _reap(children: dict[int, socket.socket], callers: dict[socket.socket, int])
 
 def _become(request: dict, fds: list[int], site_path: list[str], led: int) -> None:
     """In the forked child: the process that `python COMMAND` would be, started by the caller. `led` is closed
-    once it leads its own session and process group."""
+    once it leads its own session and process group. `fds`: the program's descriptors, then the caller's JOINED
+    namespaces."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -421,6 +431,8 @@ def _become(request: dict, fds: list[int], site_path: list[str], led: int) -> No
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()
         os.close(led)
+        fds, namespaces = fds[:len(request["fds"])], fds[len(request["fds"]):]
+        _join(namespaces)
         above = max([2, *request["fds"]]) + 1  # moved above the numbers the program is given
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]
         for fd in fds:
@@ -473,6 +485,19 @@ def _become(request: dict, fds: list[int], site_path: list[str], led: int) -> No
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _join(namespaces: list[int]) -> None:
+    """Into each namespace (a descriptor of /proc/PID/ns/NAME) that this process is not in; closes them. Before
+    anything opens a socket or a file: setns changes what later ones reach. A mount namespace takes a process of
+    one thread, as a forked child is."""
+    import ctypes
+
+    setns = ctypes.CDLL(None, use_errno=True).setns
+    for name, fd in zip(JOINED, namespaces, strict=True):
+        if os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{name}").st_ino and setns(fd, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the caller's {name} namespace")
+        os.close(fd)
 
 
 def _as_if_started() -> None:

@@ -121,3 +121,36 @@ def test_what_a_module_read_from_the_environment_as_it_loaded_is_read_again_unde
     with warm.warm_process(tmp_path / "w.sock", tmp_path / "w.log", env, imports=("reads_env",)) as path:
         fresh, forked = _both([sys.executable, str(tmp_path / "prints.py")], path, env={**env, "PROBE_MODE": "mine"})
     assert forked.cpu_s > 0 and fresh.stdout == forked.stdout == "mine\n"
+
+
+NAMESPACE_PROBE = """
+import json, os, socket, sys
+print(json.dumps({"namespaces": [os.stat(f"/proc/self/ns/{name}").st_ino for name in ("net", "mnt")],
+                  "interfaces": sorted(name for _, name in socket.if_nameindex()), "files": os.listdir(sys.argv[1])}))
+"""
+NAMESPACE_CALLER = """
+import json, subprocess, sys
+from apmpo import warm
+probe, folder, path = sys.argv[1:]
+fresh = subprocess.run([sys.executable, probe, folder], capture_output=True, text=True, check=True).stdout
+forked = warm.run([sys.executable, probe, folder], path=path, capture_output=True, text=True)
+print(json.dumps([fresh, forked.stdout, getattr(forked, "cpu_s", None)]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="namespaces of its own need root")
+def test_a_program_forked_for_a_caller_in_other_network_and_mount_namespaces_runs_in_the_callers(warm_json, probes):
+    """As `ip netns exec` starts a node's learner (tests/test_multinode.py): a network of its own (loopback only)
+    and a mount namespace of its own (a tmpfs over a folder that holds a file outside)."""
+    (probes / "probe.py").write_text(NAMESPACE_PROBE)
+    (probes / "lib" / "outside").write_text("")
+    caller = subprocess.run(["unshare", "--net", "--mount", "sh", "-c", f"mount -t tmpfs none {probes / 'lib'} && "
+                             f"exec {sys.executable} -c '{NAMESPACE_CALLER}' {probes / 'probe.py'} {probes / 'lib'} "
+                             f"{warm_json[0]}"], capture_output=True, text=True, timeout=60)
+    assert caller.returncode == 0, caller.stderr
+    fresh, forked, cpu_s = json.loads(caller.stdout)
+    assert cpu_s is not None, warm_json[1].read_text()  # forked, not started afresh
+    assert forked == fresh
+    seen = json.loads(forked)
+    assert seen["namespaces"] != [os.stat(f"/proc/self/ns/{name}").st_ino for name in ("net", "mnt")]
+    assert seen["interfaces"] == ["lo"] and seen["files"] == []
