@@ -1,7 +1,7 @@
 """Processes sharing the CPU's cores: OpenMP teams as large as the machine against teams that split its cores.
 
     python benchmarks/omp_wait.py                    # 300 steps per process
-    python benchmarks/omp_wait.py --steps 20         # CI
+    python benchmarks/omp_wait.py --steps 2          # CI: every path, not a figure
 
 PyTorch's CPU kernels run on libgomp teams. After each parallel region a thread that finds no work spins (up to
 GOMP_SPINCOUNT, 300,000 turns unless OMP_WAIT_POLICY says otherwise) before it sleeps, and libgomp counts only the

@@ -29,7 +29,7 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
     "logprob_memory": (["--batch", "1", "--seq", "64", "--vocab", "1000", "--hidden", "64"],
                        r"chunked / naive: peak \d+\.\d+, extra \d+\.\d+"),
     "reward_throughput": ([], rf"gold-vs-wrong .* {TIMES}"),
-    "omp_wait": (["--steps", "20"], rf"ratio whole/split time, two at once: {TIMES} \(passive/split {TIMES}\); "
+    "omp_wait": (["--steps", "2"], rf"ratio whole/split time, two at once: {TIMES} \(passive/split {TIMES}\); "
                                     rf"alone, passive/whole {TIMES}"),
     "bf16_updates": (["--model", TINY, "--problems", "2", "--steps", "1,4", "--learner-prompts", "2",
                       "--learner-batches", "2", "--max-new-tokens", "8", "--reward", "parity"],
