@@ -11,19 +11,21 @@ and forks each program from there:
     APMPO_WARM_SERVERS=/tmp/servers.sock python launch/train.py --config configs/quickstart.yaml
 
 The launcher forks its CPU servers through the socket that APMPO_WARM_SERVERS names (`fork_server`); `run` is
-subprocess.run for any `python SCRIPT ...` or `python -m MODULE ...` through a given socket. A program is started
-afresh instead where no warm process answers, where its environment differs from the warm process's in a setting
-read as a process starts (STARTUP: OpenMP's threads, malloc's arenas, the loader, Python, PyTorch, DeepSpeed, the
-hub), or its namespaces, control groups, CPU affinity, limits or ids do (process_context): a fork keeps the warm
-process's; but a warm process run by root has its program join the caller's network and mount namespaces (JOINED:
-`ip netns exec` changes both, as a node of the two-node tests runs). Either way the program is the same: the leader
-of its own session and process group, with the caller's environment, working directory, standard streams and
-descriptors, its command line as its title (`ps`), `sys.argv`, `sys.path[0]` and `__main__` as `python` sets them,
-freshly seeded `random` and numpy generators, what modules set from the environment as they loaded set again under
-its environment (at_start), and the interpreter's exit (threads joined, atexit run, streams flushed). The warm
-process answers a request with the program's pid and, once it has exited, its exit code and CPU seconds; it kills
-the program's process group when the caller is gone, and ends when the process that started it does. CPU only: a
-fork after the CUDA driver is loaded is unsafe, and on a GPU an engine's start outweighs its imports.
+subprocess.run for any `python SCRIPT ...` or `python -m MODULE ...` through a given socket; `relay`, called first
+by a program that another starts as a fresh `python` (DeepSpeed's launcher its ranks), has it forked there. A program
+is started afresh instead where no warm process answers, where its environment differs from the warm process's in a
+setting read as a process starts (STARTUP: OpenMP's threads, malloc's arenas, the loader, Python, PyTorch,
+DeepSpeed, the hub), or its namespaces, control groups, CPU affinity, limits or ids do (process_context): a fork
+keeps the warm process's; but a warm process run by root has its program join the caller's network and mount
+namespaces (JOINED: `ip netns exec` changes both, as a node of the two-node tests runs). Either way the program is
+the same: the leader of its own session and process group, with the caller's environment, working directory,
+standard streams and descriptors, its command line as its title (`ps`), `sys.argv`, `sys.path[0]` and `__main__` as
+`python` sets them, freshly seeded `random` and numpy generators, what modules set from the environment as they
+loaded set again under its environment (at_start), and the interpreter's exit (threads joined, atexit run, streams
+flushed). The warm process answers a request with the program's pid and, once it has exited, its exit code and CPU
+seconds; it kills the program's process group when the caller is gone, and ends when the process that started it
+does. CPU only: a fork after the CUDA driver is loaded is unsafe, and on a GPU an engine's start outweighs its
+imports.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 WARM_SERVERS_ENV = "APMPO_WARM_SERVERS"  # where the launcher forks its CPU servers
-WARM_PROGRAMS_ENV = "APMPO_WARM_PROGRAMS"  # where `run` forks, by default
+WARM_PROGRAMS_ENV = "APMPO_WARM_PROGRAMS"  # where `run` and `relay` fork, by default
+RELAY_ENV = "APMPO_WARM_RELAY"  # in a relayed program's environment: the pid of its relay
 SERVER_IMPORTS = ("uvicorn", "vllm.entrypoints.llm", "apmpo.rollout.server")
 # Environment variables read as a process starts (by the loader, libgomp, glibc, Python, or at the import of
 # torch, DeepSpeed, transformers and the hub): a forked program keeps the warm process's values, so they must be
@@ -56,6 +59,8 @@ STARTUP = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "GLIBC_TUNABLES", "MALL
            "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING")
 REPLY_TIMEOUT_S = 300.0  # a warm process still importing answers once it is done (about 20 s on 2 busy cores)
 _AT_START: list[Callable[[], None]] = []  # at_start's functions
+_FORKED = False  # True in a program forked by a warm process
+RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # The namespaces a forked program joins, the caller's where they differ from the warm process's (setns: root only).
 # A caller sends them with every request: the warm process alone knows whether they differ.
 JOINED = ("net", "mnt")
@@ -147,6 +152,34 @@ def fork(command: list[str], path: str | os.PathLike, env: dict[str, str] | None
     if explain_to is not None:
         os.write(explain_to, f"[apmpo] started afresh, not forked: {reply['refused']}\n".encode())
     return None
+
+
+def relay(path: str | os.PathLike | None = None) -> None:
+    """For a program that something else starts as a fresh `python [-u] SCRIPT ARGS` (DeepSpeed's launcher starts its
+    ranks so): where the warm process at `path` (default: $APMPO_WARM_PROGRAMS) can fork this program, it does, and
+    this process stays as its relay. The signals sent here go to the program, this process ends as the program does
+    (its exit code, or the signal that ended it), and where this process is killed the warm process kills the
+    program. The program finds its relay's pid in $APMPO_WARM_RELAY. Returns at once otherwise (no warm process
+    named, a program already forked, or one that cannot be: a line on stderr says why), and the program runs here.
+    Call it first: the imports that follow are what the fork saves."""
+    path = path or os.environ.get(WARM_PROGRAMS_ENV)
+    if not path or _FORKED:
+        return
+    args = Path("/proc/self/cmdline").read_bytes().decode().split("\0")[1:-1]  # with the interpreter's -u, if given
+    signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)  # held from the fork until they can be relayed
+    program = fork([sys.executable, *args], path, {**os.environ, RELAY_ENV: str(os.getpid())}, explain_to=2)
+    if program is not None:
+        for sig in RELAYED:
+            signal.signal(sig, lambda signum, _: program.send_signal(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
+    if program is None:
+        return
+    code = program.wait()
+    if code < 0:  # ended by a signal: so ends the relay
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's and SIGSTOP's cannot be set
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
 
 
 def fork_server(args: list[str], env: dict[str, str], stdout: int, pass_fds: tuple[int, ...]) -> ForkedProcess | None:
@@ -423,7 +456,8 @@ def _become(request: dict, fds: list[int], site_path: list[str], led: int) -> No
     """In the forked child: the process that `python COMMAND` would be, started by the caller. `led` is closed
     once it leads its own session and process group. `fds`: the program's descriptors, then the caller's JOINED
     namespaces."""
-    code = 1
+    global _FORKED
+    code, _FORKED = 1, True
     try:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM):

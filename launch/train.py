@@ -20,6 +20,11 @@ from __future__ import annotations
 import gc
 
 if __name__ == "__main__":
+    from apmpo import warm
+
+    # Under $APMPO_WARM_PROGRAMS (CPU): this rank forked from a warm process that has imported what follows, this
+    # process its relay (a rank that DeepSpeed's launcher starts is a fresh `python`).
+    warm.relay()
     # No automatic garbage collection while the learner imports and builds: collections of its growing heap took
     # 1.5 s of CPU (on 2 cores, shared with the starting servers). main() turns it back on for the steps.
     gc.disable()

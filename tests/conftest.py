@@ -238,7 +238,7 @@ def two_rank_run(tmp_path_factory, quickstart_servers):
     test_train_cli's two-rank test and test_train_faults' NaN test. The launcher's CompletedProcess and the run
     directory."""
     from apmpo.rollout.net import free_port  # noqa: PLC0415
-    from train_runs import run, train_command  # noqa: PLC0415
+    from train_runs import run, train_command, with_warm_programs  # noqa: PLC0415
 
     out = tmp_path_factory.mktemp("two_rank_run")
     command = train_command("configs/quickstart.yaml", "train.steps=2", "checkpoint.save_every=2",
@@ -247,5 +247,5 @@ def two_rank_run(tmp_path_factory, quickstart_servers):
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                 *command[1:]]
     pythonpath = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])  # for failing_rewards
-    done = run(launcher, env={**os.environ, "PYTHONPATH": pythonpath})
+    done = run(launcher, env=with_warm_programs({**os.environ, "PYTHONPATH": pythonpath}))  # the ranks forked
     return done, out / "quickstart"

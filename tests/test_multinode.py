@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from train_runs import ROOT, metrics
+from train_runs import ROOT, metrics, with_warm_programs
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ class Launch:
         hostfile = out / "hostfile"
         hostfile.write_text(HOSTFILE)
         self.logs = [out / f"node_{n}{'_resumed' if resume else ''}.log" for n in "ab"]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": netns.INTERFACE}
+        env = with_warm_programs({**os.environ, "GLOO_SOCKET_IFNAME": netns.INTERFACE})  # ranks forked, in their nodes
         self.processes = []
         for node in (0, 1):
             command = node_command(hostfile, node, *RUN, f"logging.output_dir={out / 'runs'}", *overrides)
@@ -120,9 +120,11 @@ def lose_node_b(nodes: netns.TwoNodes, launch: Launch, run_dir: Path, how) -> tu
 
 
 def kill_rank_b(nodes: netns.TwoNodes) -> None:
+    """B's rank and its relay (apmpo.warm.relay: the rank is forked by the tests' warm process)."""
     rank_b = [pid for pid in nodes.pids(1) if b"--local_rank" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(rank_b) == 1
-    os.kill(rank_b[0], 9)
+    assert len(rank_b) == 2, rank_b
+    for pid in rank_b:
+        os.kill(pid, 9)
 
 
 def check_node_a_stopped(launch: Launch, code_a: int, stopped_after: float, left: list[int]) -> None:

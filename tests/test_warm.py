@@ -4,6 +4,7 @@ The warm process here imports only json (a second); the suite's own, which impor
 are tests/conftest.py's (a forked server against a fresh one: tests/test_rollout_server.py)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -154,3 +155,92 @@ def test_a_program_forked_for_a_caller_in_other_network_and_mount_namespaces_run
     seen = json.loads(forked)
     assert seen["namespaces"] != [os.stat(f"/proc/self/ns/{name}").st_ino for name in ("net", "mnt")]
     assert seen["interfaces"] == ["lo"] and seen["files"] == []
+
+
+RELAYED_PROBE = """
+import os, signal, sys, time
+from apmpo import warm
+warm.relay()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+print(os.getpid(), os.environ.get(warm.RELAY_ENV), flush=True)
+if sys.argv[1] == "wait":  # for a SIGTERM
+    time.sleep(60)
+elif sys.argv[1] == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(3)
+"""
+
+
+@pytest.fixture
+def relayed(warm_json, probes):
+    """`python -u relayed.py WHAT` as a launcher starts it, under $APMPO_WARM_PROGRAMS (None: without)."""
+    (probes / "relayed.py").write_text(RELAYED_PROBE)
+
+    def start(what: str, path=warm_json[0]) -> subprocess.Popen:
+        env = {**os.environ, warm.WARM_PROGRAMS_ENV: str(path)} if path else os.environ
+        return subprocess.Popen([sys.executable, "-u", str(probes / "relayed.py"), what], env=env,
+                                stdout=subprocess.PIPE, text=True)
+    return start
+
+
+def test_a_relayed_program_is_forked_and_its_relay_ends_as_it_does(relayed):
+    for what, code in (("exit", 3), ("killed", -9)):
+        relay = relayed(what)
+        pid, relay_pid = relay.stdout.readline().split()
+        assert relay.wait(timeout=60) == code
+        assert int(pid) != relay.pid and relay_pid == str(relay.pid)  # forked, told its relay
+    started_here = relayed("exit", path=None)
+    assert started_here.stdout.readline().split() == [str(started_here.pid), "None"]
+    assert started_here.wait(timeout=60) == 3
+
+
+def test_a_signal_to_the_relay_reaches_the_program_and_a_killed_relay_takes_it_down(relayed):
+    relay = relayed("wait")
+    relay.stdout.readline()
+    relay.send_signal(signal.SIGTERM)
+    assert relay.wait(timeout=60) == 7  # the program's SIGTERM handler's exit code
+
+    relay = relayed("wait")
+    pid = int(relay.stdout.readline().split()[0])
+    relay.kill()
+    relay.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}")
+
+
+FOLLOWING_RANK = """
+from apmpo import warm
+warm.relay()
+import os, time
+from apmpo.rollout.launcher import follow_deepspeed_runner
+follow_deepspeed_runner(poll_s=0.1)
+print(os.getpid(), os.environ[warm.RELAY_ENV], flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:  # as the runner is gone
+    print("stopped", flush=True)
+"""
+# `deepspeed` (the runner) and the launch process it starts, as far as a rank can tell: the launch process's
+# command line names deepspeed.launcher.launch
+LAUNCHING = "import subprocess, sys; subprocess.run(sys.argv[2:])"
+
+
+def test_a_relayed_rank_follows_deepspeeds_runner_through_its_relay(warm_json, probes):
+    (probes / "rank.py").write_text(FOLLOWING_RANK)
+    rank = [sys.executable, "-u", str(probes / "rank.py")]
+    launch = [sys.executable, "-c", LAUNCHING, "deepspeed.launcher.launch", *rank]
+    runner = subprocess.Popen([sys.executable, "-c", LAUNCHING, "runner", *launch], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, warm.WARM_PROGRAMS_ENV: str(warm_json[0])})
+    pid, relay = map(int, runner.stdout.readline().split())
+    assert _parent(_parent(relay)) == runner.pid and _parent(pid) != relay  # forked; the relay, launch's child
+    runner.kill()
+    assert runner.stdout.read() == "stopped\n"  # once the rank, its relay and the launch process have ended
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None

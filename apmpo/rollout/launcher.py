@@ -310,14 +310,16 @@ def follow_deepspeed_runner(poll_s: float = 0.5, grace_s: float = 15.0) -> None:
     has not by then (its servers follow it, apmpo.rollout.server.follow_launcher). On one node the runner forwards
     no signal: a SIGTERM or SIGINT to it alone (a job scheduler's, a supervisor's, `kill PID`) left the launch
     process, every rank, the servers and the reward workers running. A rank started otherwise follows nothing:
-    the parent of `python launch/train.py` may be a shell that exits (nohup)."""
-    launch = os.getppid()
-    if b"deepspeed.launcher.launch" not in _read_proc(launch, "cmdline"):
+    the parent of `python launch/train.py` may be a shell that exits (nohup). A rank forked by a warm process
+    follows through its relay, the process that the launch process started (apmpo.warm.relay)."""
+    started = int(os.environ.get(warm.RELAY_ENV, os.getpid()))
+    launch = _parent_of(started)
+    if launch is None or b"deepspeed.launcher.launch" not in _read_proc(launch, "cmdline"):
         return
     runner = _parent_of(launch)
 
     def watch() -> None:
-        while os.getppid() == launch and _parent_of(launch) == runner:
+        while _parent_of(started) == launch and _parent_of(launch) == runner:
             time.sleep(poll_s)
         print(f"[apmpo] the deepspeed runner (pid {runner}) is gone: stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGINT)
