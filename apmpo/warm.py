@@ -165,9 +165,9 @@ def relay(path: str | os.PathLike | None = None) -> None:
     path = path or os.environ.get(WARM_PROGRAMS_ENV)
     if not path or _FORKED:
         return
-    args = Path("/proc/self/cmdline").read_bytes().decode().split("\0")[1:-1]  # with the interpreter's -u, if given
     signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)  # held from the fork until they can be relayed
-    program = fork([sys.executable, *args], path, {**os.environ, RELAY_ENV: str(os.getpid())}, explain_to=2)
+    program = fork([sys.executable, *sys.orig_argv[1:]], path, {**os.environ, RELAY_ENV: str(os.getpid())},
+                   explain_to=2)  # sys.orig_argv: with the interpreter's -u, if given
     if program is not None:
         for sig in RELAYED:
             signal.signal(sig, lambda signum, _: program.send_signal(signum))
