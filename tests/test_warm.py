@@ -12,6 +12,7 @@ import time
 import pytest
 
 from apmpo import warm
+from apmpo.rollout.launcher import _parent_of
 
 PROBE = """
 import json, os, random, sys
@@ -234,10 +235,6 @@ def test_a_relayed_rank_follows_deepspeeds_runner_through_its_relay(warm_json, p
     runner = subprocess.Popen([sys.executable, "-c", LAUNCHING, "runner", *launch], stdout=subprocess.PIPE,
                               text=True, env={**os.environ, warm.WARM_PROGRAMS_ENV: str(warm_json[0])})
     pid, relay = map(int, runner.stdout.readline().split())
-    assert _parent(_parent(relay)) == runner.pid and _parent(pid) != relay  # forked; the relay, launch's child
+    assert _parent_of(_parent_of(relay)) == runner.pid and _parent_of(pid) != relay  # forked; relay: launch's child
     runner.kill()
     assert runner.communicate(timeout=60)[0] == "stopped\n"  # the output of the rank, its relay and launch, ended
-
-
-def _parent(pid: int) -> int:
-    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
