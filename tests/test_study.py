@@ -15,9 +15,12 @@ import numpy as np
 import pytest
 
 from apmpo.study import records, report
-from apmpo.study.__main__ import (BUILTIN_VARIANTS, Settings, StudyError, check_overrides, load_study, main,
-                                  method_overrides, parse_args, parse_parallel, parse_variant, parse_variants,
-                                  plan_runs, preregister, save_study, saved_methods)
+from apmpo.study.__main__ import main, parse_args
+from apmpo.study.methods import (BUILTIN_VARIANTS, StudyError, check_overrides, load_study, method_overrides,
+                                 parse_variant, parse_variants, save_study, saved_methods)
+from apmpo.study.question import preregister
+from apmpo.study.records import Settings
+from apmpo.study.runner import parse_parallel, plan_runs
 from apmpo.study.records import RecordError
 from train_runs import with_warm_programs
 
@@ -410,7 +413,7 @@ def test_a_killed_attempts_time_is_kept(tmp_path):
 import sys
 from pathlib import Path
 from apmpo.config import load_config
-from apmpo.study import __main__ as study
+from apmpo.study import runner as study
 # A fake for speed: a run whose training is a sleep, killed in it
 study.commands = lambda run, settings, slot: iter([("training", ["sleep", "600"], None)])
 run = study.Run("grpo", 0, (), (), Path(sys.argv[1]), load_config("configs/quickstart.yaml"), before=30.0)
@@ -438,7 +441,7 @@ def test_a_failed_attempt_is_recorded_run_again_and_reported(tmp_path, monkeypat
     runs on 2026-11-30): the failure is kept in elapsed.json, the study's next start says it runs the run again and
     why, and the finished run's result and the report list the failed attempt."""
     from apmpo.config import load_config
-    from apmpo.study import __main__ as study
+    from apmpo.study import runner as study
 
     run_dir = tmp_path / "runs" / "grpo" / "seed_0"
     run_dir.mkdir(parents=True)
@@ -566,7 +569,7 @@ def test_parallel_groups():
 def test_a_parallel_run_starts_under_deepspeeds_launcher_from_this_interpreter(tmp_path):
     # `deepspeed` is on PATH only in an activated environment; `.venv/bin/python -m apmpo.study` has none
     from apmpo.config import load_config
-    from apmpo.study.__main__ import Run, Slot, commands
+    from apmpo.study.runner import Run, Slot, commands
 
     run = Run("grpo", 0, (), ("loss.name=grpo",), tmp_path, load_config("configs/quickstart.yaml"))
     what, argv, _ = next(commands(run, Settings("configs/quickstart.yaml"), Slot("2,3", "4", 29510)))
@@ -584,7 +587,7 @@ def test_a_parallel_run_starts_under_deepspeeds_launcher_from_this_interpreter(t
 ])
 def test_the_best_checkpoint_is_evaluated_unless_no_best(tmp_path, best_step, eval_best, evaluated, recorded):
     from apmpo.config import load_config
-    from apmpo.study.__main__ import Run, Slot, commands
+    from apmpo.study.runner import Run, Slot, commands
 
     run = Run("grpo", 0, (), (), tmp_path, load_config("configs/quickstart.yaml"))  # 100 steps
     (tmp_path / "checkpoints" / "step_100" / "hf").mkdir(parents=True)
@@ -633,7 +636,7 @@ def test_bad_method_or_override_fails_before_anything_runs(tmp_path, capsys, mon
     # Through the command line (the exit code a shell sees) where only another process can show it: a bad config,
     # a study already running in the folder (here: this process holds its lock). The rest in this process: each
     # `python -m apmpo.study` spends about 8 s of CPU importing before it refuses.
-    from apmpo.study.__main__ import lock_study
+    from apmpo.study.methods import lock_study
 
     out = tmp_path / "s"
     with lock_study(tmp_path / "busy"):
@@ -745,7 +748,7 @@ def test_a_run_is_checked_against_the_config_it_was_trained_with(tmp_path):
     import yaml
 
     from apmpo.config import load_config
-    from apmpo.study.__main__ import Run, _check_same_config
+    from apmpo.study.runner import Run, _check_same_config
 
     trained = load_config("configs/quickstart.yaml", ["train.seed=1"])
     saved = trained.to_dict()
