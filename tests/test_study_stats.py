@@ -95,3 +95,46 @@ def test_clopper_pearson_matches_the_tables():
     # 3 of 10: the exact 95% interval is [0.0667, 0.6525]
     i = stats.improvement([1, 1, 1] + [-1] * 7)
     assert (i.low, i.high) == pytest.approx((0.0667, 0.6525), abs=1e-4)
+
+
+def test_the_rule_for_more_seeds_by_hand():
+    # 1..6: half-width 1.96331 (above) <= 2: done
+    assert stats.more_seeds([1, 2, 3, 4, 5, 6], 2.0, max_seeds=40) == 0
+    # at +-1.9 it needs 7 seeds at sd 1.87083 (t(0.975, 6) = 2.44691: 2.44691 * 1.87083 / sqrt(7) = 1.7302, and
+    # 6 give 1.96331): one more, but a batch adds at least two
+    assert stats.seeds_needed(1.87083, 1.9) == 7
+    assert stats.more_seeds([1, 2, 3, 4, 5, 6], 1.9, max_seeds=40) == stats.MIN_MORE == 2
+    # 0, 10: sd 7.07107; t(0.975, 50) = 2.00856: 2.00856 * 7.07107 / sqrt(51) = 1.98881, and 50 seeds give
+    # t(0.975, 49) = 2.00958 -> 2.00958: 51 seeds, 49 more; the cap allows 38 more, then none
+    assert stats.more_seeds([0, 10], 2.0, max_seeds=100) == 49
+    assert stats.more_seeds([0, 10], 2.0, max_seeds=40) == 38
+    assert stats.more_seeds([0, 10], 2.0, max_seeds=2) == 0
+
+
+def test_the_rule_reads_the_width_never_the_difference_or_its_sign():
+    d = np.array([3.1, -0.4, 5.2, 1.0, 2.2, -1.7, 4.4])
+    for shifted in (d + 50, d - 50, -d, d - d.mean()):
+        assert stats.more_seeds(shifted, 1.0, max_seeds=60) == stats.more_seeds(d, 1.0, max_seeds=60)
+
+
+@pytest.mark.parametrize("sd", [1.0, 3.0, 4.5])
+def test_studies_that_follow_the_rule_cover_and_reach_the_half_width(sd):
+    """1,000 simulated studies from a first batch of 14 pairs (the two-step study's plan) that add seeds by the rule
+    until the interval is within +-2: the final interval covers the true difference about 95% of the time and
+    its half-width is <= 2 in every one (none reaches the cap of 60 at these sds)."""
+    rng = np.random.default_rng(1)
+    delta, target, first, cap = 1.5, 2.0, 14, 60
+    covered, sizes = [], []
+    for _ in range(1000):
+        d = list(rng.normal(delta, sd, first))
+        while more := stats.more_seeds(d, target, cap):
+            d += list(rng.normal(delta, sd, more))
+        final = stats.paired_t(d)
+        assert final.halfwidth <= target
+        covered.append(final.low <= delta <= final.high)
+        sizes.append(len(d))
+    assert 0.93 <= np.mean(covered) <= 0.97, np.mean(covered)
+    if sd == 1.0:  # a first batch already within +-2 is the whole study
+        assert set(sizes) == {first}
+    else:
+        assert np.mean(sizes) >= stats.seeds_needed(sd, target) - 2

@@ -9,6 +9,9 @@
     python -m apmpo.study --out studies/smollm2_arith --plan --halfwidth 2 --methods apmpo   # seeds for +-2 points
     python -m apmpo.study --config configs/smollm2_arith.yaml --out studies/answer --methods apmpo,grpo \
         --seeds 0-85 --score last --halfwidth 2     # the question fixed in study.json before the first run
+    python -m apmpo.study --config configs/smollm2_twostep.yaml --out studies/twostep_answer --methods apmpo,grpo \
+        --seeds 100-113 --score auc --halfwidth 2 --max-seeds 40 --until 15:00   # with its rule for more seeds
+    python -m apmpo.study --out studies/twostep_answer --plan      # the rule applied: "done", "N more", or waiting
 
 A method is a loss name (apmpo, grpo, dapo, gmpo, gspo, dr_grpo: `loss.name=NAME`), one of the built-in variants
 (`dapo` also samples dynamically as the paper's DAPO runs; `pmpo_only` and `fac_only` are the paper's ablations),
@@ -42,6 +45,7 @@ method's mean over seeds with its min-max band).
 from __future__ import annotations
 
 import argparse
+import datetime
 import signal
 import sys
 from pathlib import Path
@@ -59,7 +63,13 @@ from apmpo.study.methods import (
     save_study,
     saved_methods,
 )
-from apmpo.study.question import preregister, print_plan, saved_plan
+from apmpo.study.question import (
+    preregister,
+    print_plan,
+    print_status,
+    saved_plan,
+    with_more_seeds,
+)
 from apmpo.study.records import RecordError, Settings
 from apmpo.study.runner import (
     Run,
@@ -75,8 +85,10 @@ from apmpo.study.runner import (
 
 
 def write_report(out: Path, methods: list[str], reference: str) -> Path:
-    plan = saved_plan(out)
-    study_report.write(out, methods, plan.reference if plan else reference, f"Study: {out.name}", plan)
+    study = records.read(out / "study.json", records.Study)
+    plan = study.plan
+    study_report.write(out, methods, plan.reference if plan else reference, f"Study: {out.name}", plan,
+                       study.settings.final_eval)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -107,6 +119,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-best", action="store_true",
                    help="evaluate the last policy only, not also the best by validation: one evaluation a run, not "
                         "two (a question's score never reads the best; the report then has no table of it)")
+    p.add_argument("--final-eval", choices=("yes", "no"), default=None,
+                   help="evaluate each run's last policy after training (default: yes, except in a study whose "
+                        "question's --score reads the validation curve alone: auc, tail)")
+    p.add_argument("--max-seeds", type=int, default=None, metavar="N",
+                   help="with --halfwidth: the rule for adding seeds, fixed with the question: once every planned "
+                        "pair has finished, the next seeds in order while the interval is wider than --halfwidth, "
+                        "up to N seeds (apmpo.study.stats.more_seeds)")
+    p.add_argument("--until", default=None, metavar="HH:MM|ISO-TIME",
+                   help="start no pair that would not finish by then (at the longest finished run's time on this "
+                        "machine): a run cut off by a machine's end starts again from step 0 on the next")
     p.add_argument("--parallel", default=None, metavar="'GPUS[+GPUS];...'",
                    help="GPU groups, one run each at once, e.g. '0+1;2+3' (learner + servers) or '0;1' (shared)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
@@ -135,10 +157,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--eval-n and --eval-limit must be >= 1"),
                         (bool(args.eval_seeds), "--eval-seeds is empty"), (args.save_every >= 1, "--save-every >= 1"),
                         (args.halfwidth is None or args.halfwidth > 0, "--halfwidth must be > 0"),
-                        (not args.plan or args.halfwidth is not None, "--plan needs --halfwidth POINTS")]:
+                        (args.max_seeds is None or args.halfwidth is not None,
+                         "--max-seeds is the rule of a question: it needs --halfwidth")]:
         if not ok:
             p.error(message)
+    try:
+        args.until = None if args.until is None else _deadline(args.until)
+    except ValueError:
+        p.error(f"--until {args.until!r}: expected HH:MM (today, local time) or an ISO time, e.g. 2026-12-07T15:00")
     return args
+
+
+def _deadline(text: str) -> float:
+    """ "15:05" -> today at 15:05 local time; "2026-12-07T15:05" as it says. Epoch seconds."""
+    if len(text) <= 5 and ":" in text:
+        hours, minutes = map(int, text.split(":"))
+        return datetime.datetime.now().replace(hour=hours, minute=minutes, second=0, microsecond=0).timestamp()
+    return datetime.datetime.fromisoformat(text).timestamp()
+
+
+def final_eval(out: Path, args: argparse.Namespace) -> bool:
+    """--final-eval, else what the study was started with, else whether the question's score reads the last
+    policy (auc and tail read the validation curve alone: no CPU for an evaluation nothing reads)."""
+    if args.final_eval is not None:
+        return args.final_eval == "yes"
+    if (out / "study.json").is_file():
+        return records.read(out / "study.json", records.Study).settings.final_eval
+    return args.halfwidth is None or args.score not in study_report.CURVE_SCORES
 
 
 def _seed_range(text: str) -> range:
@@ -158,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         methods = {m: method_overrides(m, variants) for m in asked}
         settings = None if args.config is None else Settings(
             args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every,
-            not args.no_best)
+            not args.no_best, final_eval(out, args))
         if (args.report or args.plan) and not (out / "study.json").is_file():
             raise StudyError(f"{out / 'study.json'} does not exist: " + (
                 f"no study to report on in {out}" if args.report else "--plan reads a study's finished pairs"))
@@ -166,17 +211,26 @@ def main(argv: list[str] | None = None) -> int:
             log(f"report: {write_report(out, list(saved_methods(out)), args.reference)}")
             return 0
         if args.plan:
-            print_plan(out, args)
+            if args.halfwidth is not None:
+                print_plan(out, args)
+            elif saved_plan(out) is not None:
+                print_status(out)
+            else:
+                raise StudyError(f"--plan needs --halfwidth POINTS: {out} asks no question to report on")
             return 0
         if not asked:
             raise StudyError("--methods is empty: name the methods to run, e.g. --methods apmpo,grpo")
         slots = parse_parallel(args.parallel, _visible_gpus() if args.parallel else None)
         settings, methods = load_study(out, settings, methods)
         check_overrides(methods, settings.set)
-        runs = plan_runs(out, settings, methods, asked, args.seeds)
+        plan = preregister(out, args)
+        if plan is not None and sorted(asked) != sorted((plan.method, plan.reference)):
+            raise StudyError(f"{out} asks {plan.method} - {plan.reference}: run --methods "
+                             f"{plan.method},{plan.reference} (its seeds are the plan's)")
+        # a question's seeds are its plan's: those fixed before the first run and those its rule added since
+        runs = plan_runs(out, settings, methods, asked, list(plan.seeds) if plan else args.seeds)
         records.load_results(out)  # every finished run's record: a broken one stops the study before anything runs
         lock = lock_study(out)
-        plan = preregister(out, args)
         save_study(out, settings, methods, plan)
     except ConfigError as error:
         print(f"apmpo.study: bad config: {error}", file=sys.stderr)
@@ -186,15 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with lock:  # until the study ends
         try:
-            return run_study(out, runs, settings, slots, methods, args)
+            return run_study(out, runs, settings, slots, methods, plan, args)
         except RecordError as error:  # a record broken meanwhile, read for the report: the runs were stopped
             print(f"apmpo.study: {error}", file=sys.stderr)
             return 2
 
 
 def run_study(out: Path, runs: list[Run], settings: Settings, slots: list[Slot], methods: dict,
-              args: argparse.Namespace) -> int:
-    """Runs what is left of the study, rewriting the report after each run; the exit code."""
+              plan: records.Plan | None, args: argparse.Namespace) -> int:
+    """Runs what is left of the study, rewriting the report after each run, and the seeds its question's rule adds
+    once every planned pair has finished; the exit code."""
     def finished(run: Run) -> None:
         if not args.keep_checkpoints:
             prune(run)
@@ -204,7 +259,17 @@ def run_study(out: Path, runs: list[Run], settings: Settings, slots: list[Slot],
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
-        failed = run_all(runs, settings, slots, finished)
+        while True:
+            failed, waiting = run_all(runs, settings, slots, finished, args.until)
+            more = 0 if failed or waiting or plan is None else study_report.answer(
+                records.load_results(out), plan).get("more", 0)
+            if not more:
+                break
+            plan = with_more_seeds(plan, more)
+            save_study(out, settings, methods, plan)  # study.json's one change after its first run: seeds added
+            log(f"the rule adds {more} seeds ({', '.join(map(str, plan.seeds[-more:]))}): the interval of the "
+                f"finished pairs is wider than +-{plan.halfwidth:g}")
+            runs = plan_runs(out, settings, methods, [plan.method, plan.reference], list(plan.seeds))
     except Stopped as stop:
         log(f"stopped ({stop}); the same command goes on where it stopped (finished runs: "
             f"{out}/runs/*/seed_*/result.json)")
@@ -213,6 +278,10 @@ def run_study(out: Path, runs: list[Run], settings: Settings, slots: list[Slot],
     if failed:
         log(f"{len(failed)} run(s) failed: {', '.join(r.name for r in failed)} (their logs above); rerun to retry")
         return 1
+    if waiting:
+        log(f"{len(waiting)} run(s) wait (above): {', '.join(r.name for r in waiting)}; the same command runs them "
+            "later")
+        return 3
     log(f"done: {report_path}")
     return 0
 

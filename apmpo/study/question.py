@@ -28,21 +28,58 @@ def preregister(out: Path, args: argparse.Namespace) -> records.Plan | None:
     if len(args.methods) != 2 or len(others) != 1:
         raise StudyError(f"--halfwidth fixes one question, a method against --reference {args.reference}: give "
                          f"--methods METHOD,{args.reference} (got {','.join(args.methods)})")
+    rule = {} if args.max_seeds is None else {"max_seeds": args.max_seeds, "first": len(args.seeds)}
+    if rule and args.max_seeds < len(args.seeds):
+        raise StudyError(f"--max-seeds {args.max_seeds} is fewer than the {len(args.seeds)} --seeds planned")
     plan = records.Plan(method=others[0], reference=args.reference, score=args.score, seeds=tuple(args.seeds),
-                        halfwidth=args.halfwidth)
+                        halfwidth=args.halfwidth, **rule)
     started = any((out / "runs").glob("*/seed_*/config.yaml"))
-    if old is not None and plan != old and started:
+    if old is not None and plan != as_fixed(old) and started:
         raise StudyError(f"{out / 'study.json'} fixed its question before its first run ({_describe(old)}); it "
                          f"cannot become {_describe(plan)}: ask a new question in another --out")
     if old is None and started:
         raise StudyError(f"{out} has runs already: a question fixed now could be chosen after seeing them; ask it "
                          "in a new --out")
-    return plan
+    return old if old is not None and started else plan
+
+
+def as_fixed(plan: records.Plan) -> records.Plan:
+    """The plan as it was fixed before the first run: the seeds its rule added since left out."""
+    return plan if plan.first is None else plan.model_copy(update={"seeds": plan.seeds[:plan.first]})
+
+
+def with_more_seeds(plan: records.Plan, more: int) -> records.Plan:
+    """The plan with the rule's next `more` seeds: the integers after its last seed, in order (never chosen)."""
+    last = max(plan.seeds)
+    return plan.model_copy(update={"seeds": (*plan.seeds, *range(last + 1, last + 1 + more))})
 
 
 def _describe(plan: records.Plan) -> str:
-    return (f"{plan.method} - {plan.reference} on {plan.score}, seeds {','.join(map(str, plan.seeds))}, "
-            f"+-{plan.halfwidth:g} points")
+    rule = "" if plan.first is None else (f"; more seeds while wider than that, up to {plan.max_seeds} "
+                                          f"({len(plan.seeds) - plan.first} added so far)")
+    return (f"{plan.method} - {plan.reference} on {plan.score}, seeds {','.join(map(str, plan.seeds[:plan.first]))}, "
+            f"+-{plan.halfwidth:g} points{rule}")
+
+
+def print_status(out: Path) -> None:
+    """--plan on a study with a question: where it stands, by its rule: "done", "N more" or the pairs it waits for."""
+    plan = saved_plan(out)
+    a = study_report.answer(records.load_results(out), plan)
+    print(f"{out}: {_describe(plan)}")
+    d = a.get("difference")
+    if d is not None and d["low"] is not None:
+        print(f"  {len(a['finished'])} pairs finished: {100 * d['diff']:+.1f} points [{100 * d['low']:+.1f}, "
+              f"{100 * d['high']:+.1f}], half-width {100 * (d['high'] - d['low']) / 2:.2f}")
+    if a["split"]:
+        print(f"  seeds {', '.join(map(str, a['split']))}: their runs ran on different machine kinds; left out")
+    left = [s for s in plan.seeds if s not in a["finished"] and s not in a["split"]]
+    if a["verdict"] != "interim":
+        print(f"  done: {a['verdict']}")
+    elif a.get("more"):
+        print(f"  {a['more']} more (the rule: the interval is wider than +-{plan.halfwidth:g}): the study's next "
+              f"start adds seeds {max(plan.seeds) + 1}-{max(plan.seeds) + a['more']} and runs them")
+    else:
+        print(f"  waiting for {len(left)} planned pair(s): seeds {', '.join(map(str, left))}")
 
 
 def print_plan(out: Path, args: argparse.Namespace) -> None:

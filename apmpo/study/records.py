@@ -62,6 +62,9 @@ class Settings:
     eval_seeds: tuple[int, ...] = (0,)
     save_every: int = 10
     eval_best: bool = True  # also evaluate the best-by-validation checkpoint where it is not the last
+    # evaluate the last policy after training (`--final-eval`): a study whose question reads the validation curve
+    # alone (auc, tail) skips it unless asked, and its report says which scores it lacks and why
+    final_eval: bool = True
 
 
 class Record(BaseModel):
@@ -84,6 +87,20 @@ class Plan(Record):
     score: Literal[SCORES]
     seeds: tuple[Annotated[int, Field(ge=0)], ...] = Field(min_length=2)
     halfwidth: float = Field(gt=0)  # points of the score (percent)
+    # The rule for adding seeds (--max-seeds), fixed with the question; None: the seeds are all there is. `first`
+    # seeds were planned before the data, the rest added by the rule (stats.more_seeds): only once every planned
+    # pair has finished, only while the interval is wider than +-halfwidth, the next seeds in order after the last.
+    max_seeds: int | None = Field(default=None, ge=2)
+    first: int | None = Field(default=None, ge=2)
+    planned_sd: float | None = Field(default=None, gt=0)  # the pessimistic sd the first batch was sized for
+
+    @model_validator(mode="after")
+    def _rule(self) -> Plan:
+        if (self.max_seeds is None) != (self.first is None):
+            raise ValueError("max_seeds and first come together: the rule for adding seeds")
+        if self.first is not None and not self.first <= len(self.seeds) <= self.max_seeds:
+            raise ValueError(f"{len(self.seeds)} seeds: the rule allows {self.first} to {self.max_seeds}")
+        return self
 
 
 class Study(Record):
@@ -143,13 +160,13 @@ class Result(Record):
     validation: list[tuple[int, float]]  # (step, validation score)
     train_seconds: float = Field(ge=0)
     seconds: float = Field(ge=0)  # wall time, every attempt and the evaluations
-    eval: dict[Literal["last", "best"], Evaluation]
+    eval: dict[Literal["last", "best"], Evaluation]  # {} where the study skipped the final evaluation
     machines: list[str] = Field(default_factory=list)  # this_machine() of its attempts; [] before 2026-11-29
     failures: list[Failure] = Field(default_factory=list)  # its attempts that failed; not recorded before 2026-11-30
 
     @model_validator(mode="after")
     def _has_last(self) -> Result:
-        if "last" not in self.eval:
+        if self.eval and "last" not in self.eval:
             raise ValueError("eval has no 'last' (the last step's evaluation)")
         return self
 

@@ -111,7 +111,8 @@ def mean_std(values: list[float]) -> dict:
 
 
 def build(results: dict[str, dict[int, dict]], methods: list[str], reference: str,
-          plan: records.Plan | None = None, separations: dict[int, dict | None] | None = None) -> dict:
+          plan: records.Plan | None = None, separations: dict[int, dict | None] | None = None,
+          final_eval: bool = True) -> dict:
     """report.json's content: per checkpoint, per method, per benchmark Pass@1 / Pass@k (mean ± std, IQM), their
     average over benchmarks, the paired difference from `reference` with its interval; the validation AUC; and the
     answer to the plan's question, if any (`separations`: answer's)."""
@@ -136,6 +137,11 @@ def build(results: dict[str, dict[int, dict]], methods: list[str], reference: st
             if method != reference and ref_evals:
                 table[method]["vs_reference"] = _paired(evals, ref_evals)
         report["checkpoints"][which] = table
+    if not final_eval:
+        report["skipped"] = ("the last policy's evaluation after training (--final-eval no"
+                             + (f": the question's score, {plan.score}, reads the validation curve alone" if plan else "")
+                             + "): no table of the last or best policy, no score 'last'; the validation curve's "
+                             "scores (auc, tail) are all computed")
     report["machines"] = _machines(results)
     if failures := {f"{method} seed {seed}": result["failures"] for method, runs in results.items()
                     for seed, result in sorted(runs.items()) if result["failures"]}:
@@ -230,6 +236,9 @@ def scores(runs: dict[int, dict], seeds: list[int], score: str) -> list[np.ndarr
             raise records.RecordError(f"score {score} needs a validation curve: seeds {missing} have none "
                                       "(eval.every 0)")
         return [np.array([[CURVE_SCORES[score](_curve(runs[s]))] for s in seeds])]
+    if missing := [s for s in seeds if "last" not in runs[s]["eval"]]:
+        raise records.RecordError(f"score last needs the last policy's evaluation: seeds {missing} have none (the "
+                                  "study skipped it, --final-eval no)")
     last = {s: runs[s]["eval"]["last"] for s in seeds}
     return _pass_rates(last, seeds, _benchmarks(last), 1)
 
@@ -252,12 +261,19 @@ def separation(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict | None:
 def answer(results: dict[str, dict[int, dict]], plan: records.Plan,
            separations: dict[int, dict | None] | None = None) -> dict:
     """The pre-registered question on the plan's seeds: its difference once any pair has finished, and the verdict
-    once all have: "difference" (the interval excludes 0), "equal" (it lies within +-halfwidth), "wider" (neither:
-    the spread was larger than planned); before that "interim". Also each finished pair: both runs' scores, their
-    difference, and where their completions parted (`separations` by seed: `separation`'s)."""
+    once all have (and the plan's rule for adding seeds, if it has one, adds none: "more" says how many it adds):
+    "difference" (the interval excludes 0), "equal" (it lies within +-halfwidth), "no difference" (it holds 0 and is
+    no wider than +-halfwidth, as planned), "wider" (none of these: the spread was larger than planned); before that
+    "interim". Pairs whose runs ran on different machines are listed in "split" and left out. Also each finished
+    pair: both runs' scores, their difference, and where their completions parted (`separations` by seed)."""
     ours, theirs = results.get(plan.method, {}), results.get(plan.reference, {})
-    done = [s for s in plan.seeds if s in ours and s in theirs]
-    out = {"plan": plan.model_dump(), "finished": done,
+    both = [s for s in plan.seeds if s in ours and s in theirs]
+    # A pair whose runs ran on different machines (AVX2 and AVX-512 round differently) differs by more than its
+    # methods: reported apart, left out of the answer (the study's runner does not make one: apmpo.study.runner)
+    split = [s for s in both if ours[s]["machines"] and theirs[s]["machines"]
+             and (len(set(ours[s]["machines"]) | set(theirs[s]["machines"])) > 1)]
+    done = [s for s in both if s not in split]
+    out = {"plan": plan.model_dump(), "finished": done, "split": split,
            "outside_plan": sorted((set(ours) & set(theirs)) - set(plan.seeds)), "verdict": "interim"}
     if not done:
         return out
@@ -267,10 +283,17 @@ def answer(results: dict[str, dict[int, dict]], plan: records.Plan,
     out["pairs"] = [{"seed": s, "method": float(m), "reference": float(r), "difference": diff,
                      "separation": (separations or {}).get(s)}
                     for s, m, r, diff in zip(done, *per_seed, d["per_seed"], strict=True)]
-    if len(done) == len(plan.seeds):
-        h = plan.halfwidth / 100
+    h = plan.halfwidth / 100
+    if len(both) < len(plan.seeds):
+        return out
+    if plan.max_seeds is not None and len(done) >= 2:
+        out["more"] = stats.more_seeds(d["per_seed"], h, plan.max_seeds)  # the rule, on the interval's width
+        if out["more"]:
+            return out
+    if len(done) >= 2:
         out["verdict"] = ("difference" if d["significant"] else
-                          "equal" if -h <= d["low"] and d["high"] <= h else "wider")
+                          "equal" if -h <= d["low"] and d["high"] <= h else
+                          "no difference" if (d["high"] - d["low"]) / 2 <= h else "wider")
     return out
 
 
@@ -312,6 +335,8 @@ def render(report: dict, title: str = "Study") -> str:
              "the probability of improvement (rliable's; ties count half) with its Clopper-Pearson interval.", ""]
     if report.get("answer"):
         lines += _answer(report["answer"])
+    if report.get("skipped"):
+        lines += [f"Not run, to spend the CPU on what the question reads: {report['skipped']}.", ""]
     machines = report.get("machines") or {}
     if list(machines) == ["not recorded"]:
         lines += ["Where the runs ran: not recorded (runs before 2026-11-29).", ""]
@@ -392,13 +417,22 @@ def _answer(a: dict) -> list[str]:
              f"{p:.2f} [{low:.2f}, {high:.2f}]")
     verdict = {
         "interim": f"**Interim, not the answer**: {len(done)} of {n} pairs have finished: {found}. The answer is read "
-                   "once all have finished; a study stopped when its interval looked decisive would not hold its 95%.",
+                   "once all have finished; a study stopped when its interval looked decisive would not hold its 95%."
+                   + (f" Its rule adds {a['more']} seeds: the interval is wider than ±{h:.1f}." if a.get("more")
+                      else ""),
         "difference": f"**Answer: a measured difference**: {found}.",
         "equal": f"**Answer: equal within ±{h:.1f} points**: {found}.",
+        "no difference": f"**Answer: no measured difference**, to ±{h:.1f} points as planned: {found}.",
         "wider": f"**Answer: no measured difference, and not equal within ±{h:.1f}**: {found}; the seeds spread more "
                  "than the plan assumed (a new question needs a new plan, in another study).",
     }[a["verdict"]]
     lines.append(verdict)
+    if plan.get("first") is not None:
+        lines.append(f"The rule, fixed with the question: once every planned pair has finished, more seeds (the next "
+                     f"in order) only while the interval is wider than ±{h:.1f}, judged on its width alone, up to "
+                     f"{plan['max_seeds']} seeds; {n - plan['first']} added so far.")
+    if a["split"]:
+        lines.append(f"Seeds {_seeds(a['split'])}: the pair's runs ran on different machines; left out of the answer.")
     if a["outside_plan"]:
         lines.append(f"Seeds {_seeds(a['outside_plan'])} are not in the plan: in the tables below, not in the answer.")
     lines += ["", "Each pair (points); where the two runs' trained completions first differed, sampled with the same "
@@ -428,13 +462,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def write(study: Path, methods: list[str], reference: str, title: str, plan: records.Plan | None = None) -> dict:
+def write(study: Path, methods: list[str], reference: str, title: str, plan: records.Plan | None = None,
+          final_eval: bool = True) -> dict:
     """report.json and report.md in the study folder, from its finished runs."""
     results = records.load_results(study)
     separations = None if plan is None else {
         s: separation(*(records.digests(study / "runs" / m / f"seed_{s}") for m in (plan.method, plan.reference)))
         for s in plan.seeds}
-    report = build(results, methods, reference, plan, separations)
+    report = build(results, methods, reference, plan, separations, final_eval)
     records.write_atomic(study / "report.json", json.dumps(report, indent=1) + "\n")
     records.write_atomic(study / "report.md", render(report, title))
     return report

@@ -20,6 +20,7 @@ from apmpo import warm
 from apmpo.study import records
 from apmpo.study.methods import StudyError, log
 from apmpo.study.records import Settings, write_atomic
+from apmpo.study.report import validation_auc
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/train.py
 
@@ -86,7 +87,10 @@ def plan_runs(out: Path, settings: Settings, methods: dict[str, tuple[str, ...]]
             preflight.check(cfg)
             elapsed = run_dir / "elapsed.json"  # read now: a broken one stops the study before anything runs
             earlier = records.read(elapsed, records.Elapsed) if elapsed.is_file() else records.Elapsed(seconds=0.0)
-            machines = tuple(dict.fromkeys([*earlier.machines, records.this_machine()]))
+            # A run that starts again from step 0 (no checkpoint: a new machine has none of the last one's files)
+            # computes nothing of its earlier attempts: it ran where this attempt runs.
+            resumed = any((run_dir / "checkpoints").glob("step_*/hf/config.json"))
+            machines = tuple(dict.fromkeys([*(earlier.machines if resumed else ()), records.this_machine()]))
             run = Run(method, seed, methods[method], overrides, run_dir, cfg, before=earlier.seconds,
                       machines=machines, failures=tuple(earlier.failures))
             _check_same_config(run)
@@ -147,8 +151,9 @@ def commands(run: Run, settings: Settings, slot: Slot):
         yield "training", argv + ["--config", cfg_path(settings)] + [a for o in overrides for a in ("--set", o)], None
     best = best_record(run)
     last_step = cfg.train.steps
-    targets = [("last", run.dir / "checkpoints" / f"step_{last_step}", last_step)]
-    if settings.eval_best and best is not None and best["step"] != last_step:
+    # none where the study's question reads the validation curve alone (Settings.final_eval)
+    targets = [("last", run.dir / "checkpoints" / f"step_{last_step}", last_step)] if settings.final_eval else []
+    if targets and settings.eval_best and best is not None and best["step"] != last_step:
         targets.append(("best", run.dir / "checkpoints" / "best", best["step"]))
     for which, checkpoint, _ in targets:
         if (run.dir / "eval" / which / "results.json").is_file():
@@ -192,7 +197,7 @@ def write_result(run: Run, settings: Settings, targets: list, best: dict | None)
         evals[which] = {"step": step, **_correct_counts(run.dir / "eval" / which)}
     # The best policy was the last one: its evaluation stands for both. Not under --no-best: the best table would
     # then hold just the runs whose best came last, a selection.
-    if settings.eval_best and best is not None and best["step"] == evals["last"]["step"]:
+    if evals and settings.eval_best and best is not None and best["step"] == evals["last"]["step"]:
         evals["best"] = evals["last"]
     metrics = _read_metrics(run.dir / "metrics.jsonl")
     key = run.cfg.checkpoint.keep_best
@@ -368,16 +373,53 @@ def _duration(seconds: float) -> str:
     return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes} min"
 
 
-def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished) -> list[Run]:
-    """Runs every unfinished run, len(slots) at a time; returns the runs that failed."""
+def _finished_seed(run: Run) -> list[records.Result]:
+    """The finished runs of the study that share `run`'s seed: its pairs."""
+    return [records.read(path, records.Result)
+            for path in sorted(run.dir.parent.parent.glob(f"*/seed_{run.seed}/result.json"))]
+
+
+def why_wait(run: Run, left: list[Run], until: float | None) -> str | None:
+    """Why `run` should not start here and now, or None.
+
+    - Its pair ran on another machine kind: the runs of a pair compute alike only on one kind (AVX2 and AVX-512
+      round differently), so it waits for a machine of its pair's kind; the study runs the next pair meanwhile.
+    - It would not end by `until` (epoch seconds, --until): a run cut off at a session's end starts again from step
+      0 on the next machine, which has none of its checkpoints. The time a run takes is the longest finished run
+      of the study on this machine, and the first run of a pair waits unless the whole pair fits."""
+    here = records.this_machine()
+    if elsewhere := sorted({m for r in _finished_seed(run) for m in r.machines if m != here}):
+        return f"its pair ran on {'; '.join(elsewhere)}, not here ({here})"
+    if until is None:
+        return None
+    done = [r.seconds for path in run.dir.parent.parent.glob("*/seed_*/result.json")
+            if (r := records.read(path, records.Result)).machines == [here]]
+    if not done:
+        return None  # no measure yet: the caller chose the deadline knowing as much
+    pair_left = sum(r.seed == run.seed for r in left) + 1
+    need = pair_left * max(done)
+    if time.time() + need > until:
+        return (f"{pair_left} run(s) of seed {run.seed} take about {_duration(need)} here, past --until "
+                f"{datetime.datetime.fromtimestamp(until).strftime('%Y-%m-%d %H:%M')}")
+    return None
+
+
+def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished,
+            until: float | None = None) -> tuple[list[Run], list[Run]]:
+    """Runs every unfinished run, len(slots) at a time, except those that must wait (why_wait); returns the runs
+    that failed and those that wait."""
     left = [r for r in runs if not r.result_path.is_file()]
-    total, failed, active = len(runs), [], []
+    total, failed, active, waiting = len(runs), [], [], []
     log(f"{total} run(s): {total - len(left)} finished, {len(left)} to run; {eta(runs, left, active)}")
     try:
         while left or active:
             for slot in slots:
-                if left and not any(a.slot is slot for a in active):
+                while left and not any(a.slot is slot for a in active):
                     run = left.pop(0)
+                    if reason := why_wait(run, left, until):
+                        log(f"{run.name} waits: {reason}")
+                        waiting.append(run)
+                        continue
                     run.started = time.monotonic()
                     failures = [records.describe_failure(f.model_dump()) for f in run.failures]
                     log(f"run {total - len(left) - len(active)}/{total}: {run.name}"
@@ -387,6 +429,7 @@ def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished)
                         active.append(a)
                     else:
                         on_finished(run)
+                    break
             time.sleep(2)
             for a in list(active):
                 report_progress(a)
@@ -416,13 +459,16 @@ def run_all(runs: list[Run], settings: Settings, slots: list[Slot], on_finished)
             except subprocess.TimeoutExpired:
                 a.process.kill()
             _save_elapsed(a.run)
-    return failed
+    return failed, waiting
 
 
 def _summary(run: Run) -> str:
     result = records.read(run.result_path, records.Result)
     parts = [f"{which} (step {e.step}) pass@1 " + ", ".join(f"{b} {v.pass_at_1:.3f}" for b, v in e.benchmarks.items())
              for which, e in result.eval.items()]
+    if result.validation:
+        step, value = result.validation[-1]
+        parts.append(f"validation at step {step} {value:.3f}, its curve's mean {validation_auc(result.validation):.3f}")
     return f"{result.seconds / 60:.1f} min; " + "; ".join(parts)
 
 
