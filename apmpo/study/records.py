@@ -92,7 +92,6 @@ class Plan(Record):
     # pair has finished, only while the interval is wider than +-halfwidth, the next seeds in order after the last.
     max_seeds: int | None = Field(default=None, ge=2)
     first: int | None = Field(default=None, ge=2)
-    planned_sd: float | None = Field(default=None, gt=0)  # the pessimistic sd the first batch was sized for
 
     @model_validator(mode="after")
     def _rule(self) -> Plan:
