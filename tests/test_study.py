@@ -917,3 +917,42 @@ def test_a_pair_runs_on_one_machine_kind_and_ends_before_until(tmp_path, monkeyp
     grpo2, apmpo2 = (Run(m, 2, (), (), tmp_path / "runs" / m / "seed_2", cfg) for m in ("grpo", "apmpo"))
     assert "2 run(s) of seed 2 take about 33 min" in why_wait(grpo2, [apmpo2], until=11_500.0)  # the whole pair
     assert why_wait(grpo2, [apmpo2], until=12_000.0) is None
+
+
+# ---------------------------------------------------------------------------- where the spread comes from
+
+
+def test_the_evaluations_sampling_variance_by_hand():
+    from apmpo.study import spread
+
+    # two problems, n = 4: rates 1/4 and 1/2 -> (3/16 + 1/4) / 3 / 4 = 7/192
+    assert spread.eval_variance([1, 2], 4) == pytest.approx(7 / 192)
+    assert spread.eval_variance([0, 4, 4], 4) == 0  # every sample alike: no sampling noise
+    # trapezoids over steps 5, 10, 20: widths 5 and 10 over a span of 15 -> 2.5/15, 7.5/15, 5/15
+    assert spread.curve_weights([5, 10, 20], "auc") == pytest.approx([1 / 6, 1 / 2, 1 / 3])
+    assert spread.curve_weights([5, 10, 15, 20], "tail") == pytest.approx([0, 0, 1 / 2, 1 / 2])  # past step 10
+    # the auc bound at p = 0.5 everywhere, 64 problems x 2: (1/36 + 1/4 + 1/9) * 0.25 / 128
+    assert spread.curve_variance_bound([(5, .5), (10, .5), (20, .5)], "auc", 64, 2) == pytest.approx(
+        (1 / 36 + 1 / 4 + 1 / 9) * 0.25 / 128)
+
+
+def test_spread_splits_the_paired_sd_into_the_evaluations_part_and_the_policies(tmp_path, capsys):
+    # 100 problems x n = 2, seeds 0-2: apmpo 120, 100, 140 correct samples of 200 (60, 50, 70%), grpo 50% each: the
+    # differences +10, 0, +20 points (sd 10), grpo's sd 0 (no rho)
+    def counts(total):
+        return [2] * (total // 2) + [0] * (100 - total // 2)
+
+    for seed, total in enumerate((120, 100, 140)):
+        write_run(tmp_path, fake_result("apmpo", seed, counts(total), n=2))
+        write_run(tmp_path, fake_result("grpo", seed, [1] * 100, n=2))
+    save_study(tmp_path, Settings("configs/quickstart.yaml"), {"apmpo": ("loss.name=apmpo",)}, None)
+    from apmpo.study import spread
+
+    found = spread.spread(tmp_path, "apmpo", "grpo")
+    last = found["last"]
+    assert last["pairs"] == 3 and last["sd_pair"] == pytest.approx(10.0) and last["rho"] is None
+    # apmpo's problems are all right or all wrong: no sampling noise; grpo's each 1 of 2: 100 * 0.25 / 1 / 100^2 each
+    assert last["sd_eval"] == pytest.approx(100 * (2 * 0.25 / 100 / 2) ** 0.5) and not last["bound"]
+    assert set(found) == {"last"}  # the fake runs' config.yaml has no eval.limit: no bound for the curve scores
+    assert main(["--out", str(tmp_path), "--spread"]) == 0
+    assert "last: 3 pairs, paired sd 10.0" in capsys.readouterr().out

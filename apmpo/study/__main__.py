@@ -50,7 +50,7 @@ import signal
 import sys
 from pathlib import Path
 
-from apmpo.study import records
+from apmpo.study import records, spread
 from apmpo.study import report as study_report
 from apmpo.study.methods import (
     StudyError,
@@ -133,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GPU groups, one run each at once, e.g. '0+1;2+3' (learner + servers) or '0;1' (shared)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
     p.add_argument("--report", action="store_true", help="only rewrite the report from the finished runs")
+    p.add_argument("--spread", action="store_true",
+                   help="print where the paired differences' spread comes from (apmpo/study/spread.py) and stop")
     p.add_argument("--plan", action="store_true",
                    help="print how many seeds --halfwidth needs, from the finished pairs of --out, and stop")
     p.add_argument("--halfwidth", type=float, default=None, metavar="POINTS",
@@ -204,11 +206,17 @@ def main(argv: list[str] | None = None) -> int:
         settings = None if args.config is None else Settings(
             args.config, tuple(args.set), args.eval_n, args.eval_limit, args.eval_seeds, args.save_every,
             not args.no_best, final_eval(out, args))
-        if (args.report or args.plan) and not (out / "study.json").is_file():
+        if (args.report or args.plan or args.spread) and not (out / "study.json").is_file():
             raise StudyError(f"{out / 'study.json'} does not exist: " + (
                 f"no study to report on in {out}" if args.report else "--plan reads a study's finished pairs"))
         if args.report:
             log(f"report: {write_report(out, list(saved_methods(out)), args.reference)}")
+            return 0
+        if args.spread:
+            plan = saved_plan(out)
+            method = plan.method if plan else (args.methods[0] if args.methods else "apmpo")
+            reference = plan.reference if plan else args.reference
+            print(spread.render(spread.spread(out, method, reference), method, reference))
             return 0
         if args.plan:
             if args.halfwidth is not None:
