@@ -117,7 +117,7 @@ class Driver(contextlib.ExitStack):
     def _log_digests(self, step: int, rollouts: list[Rollout]) -> None:
         """One line of the digests file (RUN_DIR/rollouts.jsonl): a CRC-32 of each trained completion's token ids,
         in batch order. Two runs that share their seeds (a study's methods) sample with the same random numbers, so
-        comparing their lines shows the step at which their trajectories part (studies/spread/analyse.py)."""
+        comparing their lines shows the step at which their trajectories part (apmpo.study.report.separation)."""
         digests = [zlib.crc32(bytes(memoryview(array("i", r.completion_ids)))) for r in rollouts]
         with open(self.digests_path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "crc32": digests}) + "\n")
