@@ -43,6 +43,7 @@ BENCHMARKS = {  # script: (tiny arguments, the ratio line it must print)
     "generation": (SMALL_SERVE, rf"ratio server/in-process: {PERCENT}"),
     "weight_sync": (["--layers", "1", "--vocab", "512", "--repeats", "1"], rf"ratio push/raw: {PERCENT}"),
     "step_time": (["--tiny"], rf"ratio apmpo/baseline speed: {TIMES}"),
+    "study_run": (["--tiny"], rf"ratio after/before: the run {TIMES}"),
     "compile": (["--model", TINY, "--prompts", "2", "--n", "2", "--tokens", "8", "--repeats", "1"],
                 rf"ratio compiled/eager speed: {TIMES}"),
     "learner_compile": (["--model", TINY, "--prompts", "2", "--n", "2", "--prompt-tokens", "4", "--tokens", "8",
