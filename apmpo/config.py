@@ -275,6 +275,12 @@ class TrainConfig:
     epochs: int = ranged(1, "[1, 1000]")  # passes over each rollout batch
     micro_batch_tokens: int = ranged(16384, "[1, 2**31 - 1]")  # token budget of one forward/backward per rank
     logprob_chunk_tokens: int = ranged(1024, "[1, 2**31 - 1]")  # positions per chunk of the fp32 log-softmax
+    # The old policy's log-probs, the ratio's denominator. "recompute": the learner's own (SPEC.md 2.4), by a forward
+    # over the batch before its optimiser steps (or the update forward's, with one step). "engine": the engine's
+    # log-probs of the tokens it sampled, and no forward; PPO then clips against the policy that sampled (verl's
+    # bypass mode, AReaL without its decoupled loss). fp32 engines: 5e-6 nats a token apart on average, 6e-5 at most
+    # (docs/training.md, "Old log-probs from the engine").
+    old_logprobs: Literal["recompute", "engine"] = "recompute"
     # How long learner ranks wait in a collective. Ranks 1..N wait in the batch broadcast while rank 0 starts the
     # server, generates and scores: a cold start or a long rollout must not abort the job (NCCL's and DeepSpeed's
     # default is 10-30 min).
@@ -540,6 +546,13 @@ def _check_correction(cfg: Config) -> None:
         # are of the full softmax / temperature. Their ratio would bias every importance weight.
         raise ConfigError(f"correction.mode: {c.mode} needs rollout.top_p: 1.0 and rollout.top_k: -1: the engine's "
                           "log-probs then come from the distribution the learner computes")
+    if cfg.train.old_logprobs == "engine":
+        if c.mode != "off":
+            raise ConfigError(f"train.old_logprobs: engine makes pi_old the engine's policy, so correction.mode: "
+                              f"{c.mode}'s weights pi_old / pi_engine would all be 1: set correction.mode: off")
+        if r.top_p < 1.0 or r.top_k > 0:
+            raise ConfigError("train.old_logprobs: engine needs rollout.top_p: 1.0 and rollout.top_k: -1: the "
+                              "engine's log-probs are of the truncated distribution, the learner's of the full one")
 
 
 def _check_eval(cfg: Config) -> None:

@@ -31,16 +31,22 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
     micro = [[collate(rollouts, indices, pad_id) for indices in step.micro[dist.rank]] for step in plan]
     groups = torch.tensor([r.group for r in rollouts])
     totals, times, device = StepTotals(), {}, dist.device
-    # One optimiser step on the batch it sampled: the old policy is the current one, so the old log-probs are
-    # the update forward's own, detached (as TRL and verl do), and a whole forward pass is saved. The step is
-    # the same bit for bit (tests/test_learner.py). Otherwise the old log-probs are computed first.
-    on_policy = len(plan) == 1 and cfg.train.epochs == 1 and not recompute_old
+    # Where the old log-probs come from. "engine" (train.old_logprobs): the engine's own, of the tokens it sampled,
+    # and no forward pass. "update": one optimiser step on the batch it sampled, so the old policy is the current
+    # one and the old log-probs are the update forward's own, detached (as TRL and verl do): a whole forward pass is
+    # saved and the step is the same bit for bit (tests/test_learner.py). "recompute": a forward pass first.
+    if cfg.train.old_logprobs == "engine":
+        old_from = "engine"
+    else:
+        old_from = "update" if len(plan) == 1 and cfg.train.epochs == 1 and not recompute_old else "recompute"
 
     # -------------------------------------------------------------- 6. old and reference log-probs
     tick = time.perf_counter()
     with torch.no_grad():
         for mb in (mb for mini in micro for mb in mini):
-            if not on_policy:
+            if old_from == "engine":
+                mb.old_logp = mb.engine_logp.to(device)  # 0 off the loss mask, as the learner's
+            elif old_from == "recompute":
                 mb.old_logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=True)
                 totals.add_entropy(entropy, mb, device)
             if reference is not None:
@@ -51,16 +57,21 @@ def train_on_batch(engine, reference, rollouts: list[Rollout], params: AdaptiveP
     # -------------------------------------------------------------- 7. update: epochs x mini-batches
     tick = time.perf_counter()
     skipped = 0
-    for _ in range(cfg.train.epochs):
+    for epoch in range(cfg.train.epochs):
         for step, mini in zip(plan, micro):
             for k, mb in enumerate(mini):
                 start_micro_batch(engine, last=k == len(mini) - 1)
-                logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=on_policy)
-                if on_policy:
+                entropy_here = old_from != "recompute" and epoch == 0  # policy/entropy: once a micro-batch
+                logp, entropy = logprobs(engine.module, mb, cfg, device, packed, with_entropy=entropy_here)
+                if old_from == "update":
                     mb.old_logp = logp.detach()
+                if entropy_here:
                     totals.add_entropy(entropy, mb, device)
-                # Importance weights against the engine that sampled (cfg.correction); the mismatch is logged.
-                advantages, token_weights = rollout_correction(mb, cfg.correction, totals, device)
+                # Importance weights against the engine that sampled (cfg.correction); the mismatch is logged. With
+                # the engine's log-probs as the old ones there is no gap to weigh or measure (the config refuses a
+                # correction then).
+                advantages, token_weights = (rollout_correction(mb, cfg.correction, totals, device)
+                                             if old_from != "engine" else (mb.advantages.to(device), None))
                 # Global normalisers of this optimiser step; DeepSpeed averages gradients over ranks, hence / world.
                 loss, metrics = policy_loss(
                     logp, mb.old_logp, advantages, mb.loss_mask.to(device), cfg.loss,
