@@ -11,11 +11,15 @@ PACKAGE = ROOT / "apmpo"
 
 def floors() -> dict[str, int]:
     """{module or package of apmpo: its floor}: each diagram line is a floor number, then the names on it (the words
-    that name a module or package of apmpo), then its description."""
+    that name a module or package of apmpo), then its description; a line without a number goes on the floor above."""
     diagram = (ROOT / "docs" / "ARCHITECTURE.md").read_text().split("## Floors")[1].split("```")[1]
-    found = {}
+    found, number = {}, None
     for line in diagram.strip().splitlines():
-        number, *words = line.split()
+        first, *words = line.split()
+        if first.isdigit():
+            number = first
+        else:
+            words = [first, *words]
         for word in words:
             if not ((PACKAGE / f"{word}.py").is_file() or (PACKAGE / word).is_dir()):
                 break
