@@ -6,17 +6,23 @@ model's 18 CPU seconds, 2026-11-29), torch and transformers' model classes for a
 processes start one after another (a test suite, many short runs or evaluations), a warm process imports them once
 and forks each program from there:
 
-    python -m apmpo.warm /tmp/servers.sock &                                  # what a server imports (default)
-    python -m apmpo.warm /tmp/learners.sock --imports launch/train.py,deepspeed &
-    APMPO_WARM_SERVERS=/tmp/servers.sock python launch/train.py --config configs/quickstart.yaml
+    warm=$(mktemp -d)                                      # a folder that only you may enter (mode 700)
+    python -m apmpo.warm_server $warm/servers.sock &       # what a server imports (default)
+    python -m apmpo.warm_server $warm/learners.sock --imports learner,deepspeed &   # what a learner imports
+    APMPO_WARM_SERVERS=$warm/servers.sock python launch/train.py --config configs/quickstart.yaml
 
-The launcher forks its CPU servers through the socket that APMPO_WARM_SERVERS names (`fork_server`); `run` is
-subprocess.run for any `python SCRIPT ...` or `python -m MODULE ...` through a given socket; `relay`, called first
-by a program that another starts as a fresh `python` (DeepSpeed's launcher its ranks), has it forked there. A program
-is started afresh instead where no warm process answers, where its environment differs from the warm process's in a
-setting read as a process starts (STARTUP: OpenMP's threads, malloc's arenas, the loader, Python, PyTorch,
-DeepSpeed, the hub), or its namespaces, control groups, CPU affinity, limits or ids do (process_context): a fork
-keeps the warm process's; but a warm process run by root has its program join the caller's network and mount
+This module is the callers' side. The launcher forks its CPU servers through the socket that APMPO_WARM_SERVERS
+names (`fork_server`); `run` is subprocess.run for any `python SCRIPT ...` or `python -m MODULE ...` through a given
+socket; `relay`, called first by a program that another starts as a fresh `python` (DeepSpeed's launcher its ranks),
+has it forked there. The warm process is apmpo/warm_server.py, what it accepts of a request apmpo/warm_request.py.
+It serves its own user only (docs/server.md, "Who a warm process serves"): it forks for a caller whose uid, as the
+kernel has it, is its own, and a caller sends nothing (its environment, its descriptors) to a socket whose listener
+runs as another user, but starts its program afresh and says why. Nothing is forked unless a socket is named.
+
+A program is started afresh instead where no warm process answers, where its environment differs from the warm
+process's in a setting read as a process starts (STARTUP: OpenMP's threads, malloc's arenas, the loader, Python,
+PyTorch, DeepSpeed, the hub), or its namespaces, control groups, CPU affinity, limits or ids do (process_context): a
+fork keeps the warm process's; but a warm process run by root has its program join the caller's network and mount
 namespaces (JOINED: `ip netns exec` changes both, as a node of the two-node tests runs). Either way the program is
 the same: the leader of its own session and process group, with the caller's environment, working directory,
 standard streams and descriptors, its command line as its title (`ps`), `sys.argv`, `sys.path[0]` and `__main__` as
@@ -30,20 +36,18 @@ imports.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import gc
+import errno
 import json
 import locale
 import os
 import resource
-import runpy
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
-import traceback
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -51,6 +55,13 @@ WARM_SERVERS_ENV = "APMPO_WARM_SERVERS"  # where the launcher forks its CPU serv
 WARM_PROGRAMS_ENV = "APMPO_WARM_PROGRAMS"  # where `run` and `relay` fork, by default
 RELAY_ENV = "APMPO_WARM_RELAY"  # in a relayed program's environment: the pid of its relay
 SERVER_IMPORTS = ("uvicorn", "vllm.entrypoints.llm", "apmpo.rollout.server")
+# What launch/train.py imports at module level, as modules (tests/test_warm.py holds the two together): a learners'
+# warm process imports these, not the script.
+LEARNER_IMPORTS = ("torch", "torch.distributed", "transformers.models.auto.tokenization_auto", "apmpo.dirlock",
+                   "apmpo.preflight", "apmpo.config", "apmpo.learner.checkpoint", "apmpo.learner.driver",
+                   "apmpo.learner.engine", "apmpo.learner.nodes", "apmpo.learner.prepare", "apmpo.learner.step",
+                   "apmpo.learner.zero3", "apmpo.rollout.launcher")
+PRESETS = {"server": SERVER_IMPORTS, "learner": LEARNER_IMPORTS}  # what a warm process's --imports may name so
 # Environment variables read as a process starts (by the loader, libgomp, glibc, Python, or at the import of
 # torch, DeepSpeed, transformers and the hub): a forked program keeps the warm process's values, so they must be
 # equal.
@@ -58,8 +69,9 @@ STARTUP = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "GLIBC_TUNABLES", "MALL
            "PYTORCH_", "DS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "USE_TORCH", "USE_TF",
            "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING")
 REPLY_TIMEOUT_S = 300.0  # a warm process still importing answers once it is done (about 20 s on 2 busy cores)
+MAX_CONNECTIONS = 256  # a warm process holds at most this many (requests awaited, programs running); it refuses more
 _AT_START: list[Callable[[], None]] = []  # at_start's functions
-_FORKED = False  # True in a program forked by a warm process
+_FORKED = False  # True in a program forked by a warm process (set there: apmpo/warm_server.py)
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # The namespaces a forked program joins, the caller's where they differ from the warm process's (setns: root only).
 # A caller sends them with every request: the warm process alone knows whether they differ.
@@ -85,6 +97,12 @@ def process_context() -> dict[str, object]:
     return {**namespaces, **limits, "control groups": Path("/proc/self/cgroup").read_text(),
             "CPU affinity": sorted(os.sched_getaffinity(0)),
             "user and groups": [os.getuid(), os.getgid(), os.getgroups()]}
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The effective uid of the process at the other end of the unix socket `conn`, from the kernel (SO_PEERCRED:
+    the one it had as it connected, or as it listened), whatever the other end says."""
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
 
 
 class ForkedProcess:
@@ -128,30 +146,43 @@ def fork(command: list[str], path: str | os.PathLike, env: dict[str, str] | None
     """`command` (`[sys.executable, ["-u",] SCRIPT | -m MODULE, ARGS...]`) forked by the warm process at `path`,
     with `env` (default: ours), `cwd` (default: ours), and `fds`: {number in the program: our descriptor}
     (default: our standard streams). None where it cannot be (and a line in `explain_to`, if given, saying why):
-    the caller starts it afresh."""
+    the caller starts it afresh. Where the process listening at `path` runs as another user it is sent nothing, and
+    the line goes to stderr where no `explain_to` is given."""
     fds = {0: 0, 1: 1, 2: 2} if fds is None else fds
-    request = json.dumps({"command": command, "env": dict(os.environ if env is None else env),
-                          "cwd": os.path.abspath(cwd or os.getcwd()), "fds": list(fds),
-                          "context": process_context()}).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY) for name in JOINED]  # sent after the program's
     try:
         conn.settimeout(REPLY_TIMEOUT_S)
         conn.connect(os.fspath(path))
-        socket.send_fds(conn, [request], [*fds.values(), *namespaces])
-        reply = json.loads(conn.recv(4096) or b'{"refused": "the warm process closed the connection"}')
+        owner = peer_uid(conn)
+        reply = _ask(conn, command, env, fds, cwd) if owner == os.geteuid() else {"stranger": True, "refused": (
+            f"the process listening at {path} runs as uid {owner}, not as this one ({os.geteuid()}): sent it nothing")}
         conn.settimeout(None)
     except (OSError, ValueError) as error:
         reply = {"refused": f"no answer from the warm process at {path}: {error}"}
-    finally:
-        for fd in namespaces:
-            os.close(fd)
     if "pid" in reply:
         return ForkedProcess(reply["pid"], conn)
     conn.close()
-    if explain_to is not None:
-        os.write(explain_to, f"[apmpo] started afresh, not forked: {reply['refused']}\n".encode())
+    if explain_to is not None or "stranger" in reply:
+        os.write(2 if explain_to is None else explain_to,
+                 f"[apmpo] started afresh, not forked: {reply['refused']}\n".encode())
     return None
+
+
+def _ask(conn: socket.socket, command: list[str], env: dict[str, str] | None, fds: dict[int, int],
+         cwd: str | os.PathLike | None) -> dict:
+    """The warm process's reply to the request for `command` (apmpo/warm_request.py: the request's form)."""
+    request = json.dumps({"command": command, "env": dict(os.environ if env is None else env),
+                          "cwd": os.path.abspath(cwd or os.getcwd()), "fds": list(fds),
+                          "context": process_context()}).encode()
+    namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY) for name in JOINED]  # sent after the program's
+    try:
+        socket.send_fds(conn, [request], [*fds.values(), *namespaces])
+    except BrokenPipeError:  # refused as it connected (a warm process that holds its most): the reply says why
+        pass
+    finally:
+        for fd in namespaces:
+            os.close(fd)
+    return json.loads(conn.recv(4096) or b'{"refused": "the warm process closed the connection"}')
 
 
 def relay(path: str | os.PathLike | None = None) -> None:
@@ -257,17 +288,18 @@ def _text(output: bytes) -> str:
 
 @contextlib.contextmanager
 def warm_process(path: str | Path, log_path: str | Path, env: dict[str, str] | None = None,
-                 imports: tuple[str, ...] = SERVER_IMPORTS) -> Iterator[Path]:
-    """A warm process on the unix socket `path` (its output in `log_path`) for as long as the block runs, having
-    imported `imports` (modules, or scripts run as modules that are not __main__: their imports and definitions),
-    with `env` (default: this process's), the startup environment of the programs it will fork (for servers, the
-    launcher's: `server_env`).
+                 imports: tuple[str, ...] = SERVER_IMPORTS, request_timeout_s: float | None = None) -> Iterator[Path]:
+    """A warm process on the unix socket `path` (`listen`; its output in `log_path`) for as long as the block runs,
+    having imported `imports` (modules, or the names of PRESETS), with `env` (default: this process's), the startup
+    environment of the programs it will fork (for servers, the launcher's: `server_env`), dropping a connection that
+    sends no request within `request_timeout_s` (default: the warm process's).
     Returns at once: requests made while it imports are answered when it is done."""
     env = dict(os.environ if env is None else env)
-    listener = _listen(path)  # bound here: a request made while the warm process imports waits in the backlog
+    listener = listen(path)  # bound here: a request made while the warm process imports waits in the backlog
+    timeout = [] if request_timeout_s is None else ["--request-timeout", str(request_timeout_s)]
     with open(log_path, "ab") as log, listener:
-        process = subprocess.Popen([sys.executable, "-m", "apmpo.warm", "--fd", str(listener.fileno()),
-                                    "--imports", ",".join(imports)],
+        process = subprocess.Popen([sys.executable, "-m", "apmpo.warm_server", "--fd", str(listener.fileno()),
+                                    "--imports", ",".join(imports), *timeout],
                                    env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True, pass_fds=(listener.fileno(),))
     try:
@@ -289,285 +321,44 @@ def server_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "GLIBC_TUNABLES": with_one_arena(env.get("GLIBC_TUNABLES"))}
 
 
-def _listen(path: str | Path) -> socket.socket:
+def listen(path: str | os.PathLike) -> socket.socket:
+    """A warm process's socket, listening at `path`: mode 0600 from its start (bound under umask 177), in a folder
+    that only this user may enter (mode 700; PermissionError otherwise). A socket at `path` that no process listens
+    on (a warm process killed) is replaced; one that still answers is not (FileExistsError)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    stat = os.stat(folder)
+    if stat.st_uid != os.geteuid() or stat.st_mode & 0o077:
+        raise PermissionError(f"{folder} (uid {stat.st_uid}, mode {stat.st_mode & 0o777:o}) is open to others: a "
+                              f"warm process's socket goes into a folder that only its user may enter, mode 700 "
+                              f"($XDG_RUNTIME_DIR, or one that `mktemp -d` makes)")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(str(path))
-    listener.listen(64)
+    umask = os.umask(0o177)  # the process's, for the moment of the bind: so no one may connect before a chmod
+    try:
+        try:
+            listener.bind(os.fspath(path))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE or not _left_behind(path):
+                listener.close()
+                raise
+            os.unlink(path)
+            listener.bind(os.fspath(path))
+    finally:
+        os.umask(umask)
+    listener.listen(MAX_CONNECTIONS)
     return listener
 
 
-def main(listener: socket.socket, imports: tuple[str, ...]) -> None:
-    """The warm process: imports `imports`, then forks a program for each request on `listener` until the
-    process that started it exits (or a SIGTERM)."""
-    exec_env = dict(os.environ)  # as this process started
-    context = json.loads(json.dumps(process_context()))  # as a request carries it (tuples become lists)
-    parent = os.pidfd_open(os.getppid())
-    listener.setblocking(False)
-    path, code = listener.getsockname(), 0
-    children: dict[int, socket.socket] = {}  # pid: its caller's connection
-    callers: dict[socket.socket, int] = {}  # the connections of callers still there: pid
-    try:
-        gc.disable()  # as a server does while it imports (apmpo.rollout.server)
-        for name in imports:
-            if name.endswith(".py"):
-                runpy.run_path(name, run_name="__warm__")  # its imports and definitions, not its main()
-            else:
-                __import__(name)
-        gc.freeze()  # what was imported stays out of every collection: a program's first ones stay short
-        site_path = sys.path[1 + len(_entries(exec_env.get("PYTHONPATH"))):]  # after the script's folder, PYTHONPATH
-        # A setting that the imports made (vLLM's PYTORCH_NVML_BASED_CUDA_CHECK) they make in a fresh process too
-        imports_set = {key: value for key, value in os.environ.items() if key not in exec_env}
-        wake_read, wake_write = os.pipe()
-        for fd in (wake_read, wake_write):
-            fcntl.fcntl(fd, fcntl.F_SETFL, os.O_NONBLOCK)
-        signal.set_wakeup_fd(wake_write)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # a byte on the pipe wakes the loop to reap
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        print(f"[apmpo.warm] ready on {path} (pid {os.getpid()}), having imported {', '.join(imports)}", flush=True)
-        while True:
-            ready = select.select([listener, parent, wake_read, *callers], [], [])[0]
-            if parent in ready:
-                break
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_read, 4096)
-            for conn in ready:
-                if conn in callers:  # readable only at its end: the caller is gone, and so goes its program
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(callers.pop(conn), signal.SIGKILL)
-            with contextlib.suppress(BlockingIOError):
-                conn, _ = listener.accept()
-                pid = _fork(conn, exec_env, imports_set, context, site_path,
-                            closing=(listener, parent, wake_read, wake_write, *children.values()))
-                if pid is not None:
-                    children[pid], callers[conn] = conn, pid
-            _reap(children, callers)
-    except SystemExit:  # SIGTERM
-        pass
-    except BaseException:  # its users start their programs afresh
-        traceback.print_exc()
-        code = 1
-    finally:
-        for pid in children:  # none outlives the warm process
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        sys.stdout.flush()
-        os._exit(code)  # without the interpreter's teardown of everything imported (seconds, and nanobind's warnings)
-
-
-def _fork(conn: socket.socket, exec_env: dict[str, str], imports_set: dict[str, str], context: dict,
-          site_path: list[str], closing: tuple) -> int | None:
-    """Forks the program that `conn` asks for and answers with its pid (None: refused, or a request cut short or
-    malformed). The received descriptors are closed here either way; the child has its own copies."""
-    fds = []
-    try:
-        conn.setblocking(True)
-        conn.settimeout(10.0)  # the request follows the connection at once
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
-        request = json.loads(message)
-        env = request["env"]
-        differ = sorted(key for key in {*startup_settings(exec_env), *startup_settings(env)}
-                        if exec_env.get(key) != env.get(key) and key != "PYTHONPATH"
-                        and not (key in imports_set and env.get(key) in (None, imports_set[key])))
-        joins = {f"{name} namespace" for name in JOINED} if os.geteuid() == 0 else set()
-        differ += [key for key in context if context[key] != request["context"].get(key) and key not in joins]
-        differ += [f"PYTHONPATH ({shadowing} would have been imported from there)"
-                   for shadowing in _shadowed(_entries(env.get("PYTHONPATH")))]
-        if differ or len(fds) != len(request["fds"]) + len(JOINED) or _program(request["command"]) is None:
-            why = (f"the warm process started with other {', '.join(differ)}" if differ
-                   else f"not a Python program it can run: {request['command'][:3]}")
-            print(f"[apmpo.warm] refused {request['command'][:3]}: {why}", flush=True)
-            conn.send(json.dumps({"refused": why}).encode())
-            conn.close()
-            return None
-        # Closed by the child once it leads a process group of its own: the caller may be gone the moment it has the
-        # pid, and a kill of that group made before then reaches no one (ESRCH) and leaves the program running.
-        led_read, led_write = os.pipe()
+def _left_behind(path: str | os.PathLike) -> bool:
+    """Whether `path` is a socket that no process listens on; FileExistsError where one does."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
         try:
-            pid = os.fork()
-        except OSError:
-            os.close(led_read), os.close(led_write)
-            raise
-        if pid == 0:
-            for item in (*closing, conn, led_read):
-                with contextlib.suppress(OSError):
-                    item.close() if hasattr(item, "close") else os.close(item)
-            _become(request, fds, site_path, led_write)
-        os.close(led_write)
-        os.read(led_read, 1)  # end of file: the child has called setsid (or is gone)
-        os.close(led_read)
-        conn.send(json.dumps({"pid": pid}).encode())
-        return pid
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        print(f"[apmpo.warm] a request failed: {error!r}", flush=True)
-        conn.close()
-        return None
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _program(command: list[str]) -> tuple[bool, str | None, str | None, list[str]] | None:
-    """(unbuffered, module, script, args) of `python [-u] (-m MODULE | SCRIPT) ARGS`; None for anything else."""
-    if not command or command[0] != sys.executable:
-        return None
-    rest = command[1:]
-    unbuffered = rest[:1] == ["-u"]
-    rest = rest[unbuffered:]
-    if rest[:1] == ["-m"] and len(rest) >= 2:
-        return unbuffered, rest[1], None, rest[2:]
-    if rest and not rest[0].startswith("-"):
-        return unbuffered, None, rest[0], rest[1:]
-    return None
-
-
-def _entries(pythonpath: str | None) -> list[str]:
-    return [os.path.abspath(entry) for entry in (pythonpath or "").split(os.pathsep) if entry]
-
-
-def _shadowed(entries: list[str]) -> list[str]:
-    """The modules imported here that a program with `entries` on PYTHONPATH would have found elsewhere."""
-    loaded = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items()) if "." not in name}
-    return sorted(name for name, file in loaded.items() if file is not None and not any(
-        file.startswith(entry + os.sep) for entry in entries) and any(
-        os.path.exists(os.path.join(entry, name, "__init__.py")) or os.path.exists(os.path.join(entry, name + ".py"))
-        for entry in entries))
-
-
-def _reap(children: dict[int, socket.socket], callers: dict[socket.socket, int]) -> None:
-    while True:
-        try:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-        except ChildProcessError:  # none left
-            return
-        if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is not None:
-            callers.pop(conn, None)
-            with contextlib.suppress(OSError):  # its caller may be gone
-                conn.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status),
-                                      "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
-            conn.close()
-
-
-def _become(request: dict, fds: list[int], site_path: list[str], led: int) -> None:
-    """In the forked child: the process that `python COMMAND` would be, started by the caller. `led` is closed
-    once it leads its own session and process group. `fds`: the program's descriptors, then the caller's JOINED
-    namespaces."""
-    global _FORKED
-    code, _FORKED = 1, True
-    try:
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.setsid()
-        os.close(led)
-        fds, namespaces = fds[:len(request["fds"])], fds[len(request["fds"]):]
-        _join(namespaces)
-        above = max([2, *request["fds"]]) + 1  # moved above the numbers the program is given
-        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]
-        for fd in fds:
-            os.close(fd)
-        if 0 not in request["fds"]:
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(devnull, 0)
-            os.close(devnull)
-        for fd, number in zip(moved, request["fds"], strict=True):
-            os.dup2(fd, number)
-        for fd in moved:
-            os.close(fd)
-        unbuffered, module, script, args = _program(request["command"])
-        import setproctitle  # vLLM's dependency
-
-        # What `ps` shows, and what finds a program by its arguments. Before the environment changes:
-        # setproctitle takes the room of the strings it started with.
-        setproctitle.setproctitle(" ".join(request["command"]))
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        _as_if_started()
-        if unbuffered:
-            for stream in (sys.stdout, sys.stderr):
-                stream.reconfigure(write_through=True)
-        # sys.path as `python` makes it: the script's folder (or, for -m, the working directory), then PYTHONPATH
-        first = os.getcwd() if module is not None else os.path.dirname(os.path.abspath(script))
-        sys.path[:] = [first, *_entries(request["env"].get("PYTHONPATH")), *site_path]
-        if module is not None:
-            sys.argv = [module, *args]  # run_module sets argv[0] to its file
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [script, *args]
-            runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):  # as the interpreter ends: its threads joined, atexit run
-            threading._shutdown()
-            import atexit
-
-            atexit._run_exitfuncs()
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _join(namespaces: list[int]) -> None:
-    """Into each namespace (a descriptor of /proc/PID/ns/NAME) that this process is not in; closes them. Before
-    anything opens a socket or a file: setns changes what later ones reach. A mount namespace takes a process of
-    one thread, as a forked child is."""
-    import ctypes
-
-    setns = ctypes.CDLL(None, use_errno=True).setns
-    for name, fd in zip(JOINED, namespaces, strict=True):
-        if os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{name}").st_ino and setns(fd, 0) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into the caller's {name} namespace")
-        os.close(fd)
-
-
-def _as_if_started() -> None:
-    """What a fresh interpreter would have under the caller's environment: garbage collection on, the random
-    generators seeded anew (not shared with every sibling), and the settings that imported modules made from the
-    environment as they loaded (at_start)."""
-    import random
-
-    gc.enable()
-    random.seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    for read_environment in _AT_START:
-        read_environment()
-
-
-def cli() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", nargs="?", help="the unix socket to serve on (APMPO_WARM_SERVERS of its users)")
-    parser.add_argument("--fd", type=int, help="an inherited listening socket instead (warm_process())")
-    parser.add_argument("--imports", help="modules (or scripts, run under another name than __main__) to import "
-                                          "once, comma-separated (default: a warm process for servers: what a server "
-                                          "imports, under the malloc setting the launcher starts them with)")
-    args = parser.parse_args()
-    if (args.path is None) == (args.fd is None):
-        parser.error("give a socket path or --fd")
-    imports = SERVER_IMPORTS if args.imports is None else tuple(args.imports.split(","))
-    if args.imports is None and (env := server_env(dict(os.environ))) != os.environ:
-        # malloc reads its setting as the process starts: again, with the one the launcher gives servers
-        os.execve(sys.executable, [sys.executable, "-m", "apmpo.warm", *sys.argv[1:]], env)
-    main(_listen(args.path) if args.fd is None else socket.socket(fileno=args.fd), imports)
+            probe.connect(os.fspath(path))
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # not a socket of this type, say
+            return False
+    raise FileExistsError(f"a warm process already listens at {path}")
 
 
 if __name__ == "__main__":
-    import apmpo.warm  # the module that the imports see (at_start), not this __main__ copy of it
-
-    apmpo.warm.cli()
+    sys.exit("the warm process is `python -m apmpo.warm_server` (this module is its callers' side)")

@@ -68,9 +68,10 @@ def warm_processes(request, tmp_path_factory):
     """Every CPU server this worker's tests start, directly or through a run, is forked from a warm process that
     has imported vLLM (apmpo/warm.py): about 14 CPU seconds less each, on some 60 servers a suite; and every
     learner, benchmark or worker script that a test runs through train_runs.warm_run from one that has imported
-    what launch/train.py imports, and DeepSpeed (one such process for each startup environment). A test of a
-    fresh start removes APMPO_WARM_SERVERS from its environment. Without slow tests (-m "not slow"), whose runs
-    and servers these are, no warm process: its own imports would cost more than it saves."""
+    what a learner imports (warm.LEARNER_IMPORTS, launch/train.py's modules), and DeepSpeed (one such process for
+    each startup environment). A test of a fresh start removes APMPO_WARM_SERVERS from its environment. Without
+    slow tests (-m "not slow"), whose runs and servers these are, no warm process: its own imports would cost more
+    than it saves. Their sockets are in a folder of pytest's that only this user may enter (mode 700)."""
     import cpu_time  # noqa: PLC0415  (loaded as a plugin first: pytest_plugins)
     import train_runs  # noqa: PLC0415
     from apmpo import warm  # noqa: PLC0415

@@ -40,11 +40,12 @@ class WarmPrograms:
     TORCHINDUCTOR_COMPILE_THREADS, ...), and a fork must start under the same ones. tests/conftest.py makes one
     per pytest worker."""
 
-    # What a learner imports, DeepSpeed, and what a learner imports only once it runs: DeepSpeed's optimiser check
-    # imports its Muon optimiser, which calls torch.compile as it loads (Inductor); the metrics' TensorBoard writer;
-    # the model's class. A forked 1-step quickstart learner used 1.1-1.3 CPU s with them, 3.8-4.1 without.
-    IMPORTS = (str(ROOT / "launch" / "train.py"), "deepspeed", "deepspeed.runtime.zero.muon.original_muon",
-               "torch.utils.tensorboard", "transformers.models.qwen2.modeling_qwen2")
+    # What a learner imports (warm.LEARNER_IMPORTS: launch/train.py's modules), DeepSpeed, and what a learner imports
+    # only once it runs: DeepSpeed's optimiser check imports its Muon optimiser, which calls torch.compile as it loads
+    # (Inductor); the metrics' TensorBoard writer; the model's class. A forked 1-step quickstart learner used 1.1-1.3
+    # CPU s with them, 3.8-4.1 without.
+    IMPORTS = ("learner", "deepspeed", "deepspeed.runtime.zero.muon.original_muon", "torch.utils.tensorboard",
+               "transformers.models.qwen2.modeling_qwen2")
 
     def __init__(self, folder: Path, stack: contextlib.ExitStack):
         self.folder, self.stack, self.paths, self.lock = folder, stack, {}, threading.Lock()
