@@ -2,17 +2,22 @@
 
 The warm process here imports only json (a second); the suite's own, which import vLLM or what a learner imports,
 are tests/conftest.py's (a forked server against a fresh one: tests/test_rollout_server.py)."""
+import ast
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from apmpo import warm
 from apmpo.rollout.launcher import _parent_of
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import json, os, random, sys
@@ -66,12 +71,14 @@ def test_forks_draw_other_random_numbers(warm_json, probes):
     assert len(draws) == 2
 
 
-def test_a_program_whose_startup_settings_differ_is_started_afresh_and_logged(warm_json, probes):
-    # libgomp reads OMP_NUM_THREADS as a process starts; a fork would keep the warm process's
-    env = {**os.environ, "OMP_NUM_THREADS": "7"}
+@pytest.mark.parametrize("setting", ["OMP_NUM_THREADS", "LD_PRELOAD"])
+def test_a_program_whose_startup_settings_differ_is_started_afresh_and_logged(warm_json, probes, setting):
+    # libgomp reads OMP_NUM_THREADS as a process starts, the loader LD_PRELOAD: a fork would keep the warm process's
+    env = {**os.environ, setting: "7" if setting == "OMP_NUM_THREADS" else "libm.so.6"}
     done = warm.run([sys.executable, str(probes / "probe.py"), "0"], path=warm_json[0], env=env, capture_output=True)
     assert done.returncode == 0 and not hasattr(done, "cpu_s")
-    assert "refused" in warm_json[1].read_text() and "other OMP_NUM_THREADS" in warm_json[1].read_text()
+    assert f"refused ['{sys.executable}', '{probes / 'probe.py'}', '0']: the warm process started with other " \
+           f"{setting}\n" in warm_json[1].read_text()
 
 
 def test_a_pythonpath_that_would_import_a_loaded_module_from_elsewhere_is_started_afresh(warm_json, probes):
@@ -81,6 +88,25 @@ def test_a_pythonpath_that_would_import_a_loaded_module_from_elsewhere_is_starte
     fresh, forked = _both([sys.executable, "-m", "probe_module", "0"], warm_json[0], env=env)
     assert fresh.stdout == forked.stdout == "the shadowing json\n" and not hasattr(forked, "cpu_s")
     assert "PYTHONPATH (json would have been imported from there)" in warm_json[1].read_text()
+
+
+def test_the_learner_preset_names_every_module_that_launch_train_imports():
+    """A learners' warm process imports warm.LEARNER_IMPORTS, not the script: they must cover what it imports (beyond
+    the standard library) at module level. Imported either way, 2,833 modules and the same ones (2026-12-07)."""
+    names = set()
+    for node in ast.parse((ROOT / "launch" / "train.py").read_text()).body:  # not the relay under __main__
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":  # a module, or its submodules
+            folder = ROOT.joinpath(*node.module.split("."))
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names
+                          if (folder / f"{alias.name}.py").is_file() or (folder / alias.name).is_dir()}
+            names |= submodules or {node.module}
+    named = set(warm.LEARNER_IMPORTS)
+    covered = named | {name.rsplit(".", k)[0] for name in named for k in range(1, name.count(".") + 1)}
+    assert {name for name in names if name.split(".")[0] not in sys.stdlib_module_names} - covered == set()
+    assert "transformers.models.auto.tokenization_auto" in named  # AutoTokenizer's, a lazy attribute of transformers
+    assert warm.PRESETS["learner"] == warm.LEARNER_IMPORTS and not any(name.endswith(".py") for name in named)
 
 
 def test_what_is_not_python_running_a_file_or_module_is_started_afresh(warm_json):
