@@ -3,7 +3,6 @@
 The warm process here imports only json (a second); the suite's own, which import vLLM or what a learner imports,
 are tests/conftest.py's (a forked server against a fresh one: tests/test_rollout_server.py)."""
 import ast
-import importlib.util
 import json
 import os
 import signal

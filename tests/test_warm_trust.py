@@ -236,7 +236,7 @@ def test_a_caller_sends_nothing_to_another_users_socket_and_starts_its_program_a
 
 
 def test_a_request_behind_100_silent_connections_is_answered_at_once(opened):
-    path, log, pid, idle = opened
+    path, _, pid, idle = opened
     silent = [_connect(path) for _ in range(100)]
     try:
         time.sleep(0.2)  # all accepted and held
@@ -263,7 +263,7 @@ def test_a_silent_connection_is_dropped_after_its_timeout_without_delaying_anyon
 
 
 def test_connections_past_the_most_held_are_refused_at_once(opened):
-    path, log, pid, idle = opened
+    path, _, pid, idle = opened
     held = [_connect(path) for _ in range(warm.MAX_CONNECTIONS)]
     try:
         time.sleep(0.2)
