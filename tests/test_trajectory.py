@@ -1,4 +1,4 @@
-"""apmpo.trajectory.play, the one path from prompts to scored trajectories that training and evaluation share: which
+"""apmpo.play.play, the one path from prompts to scored trajectories that training and evaluation share: which
 engine seed each sample and turn draws with (the layout of apmpo.seeding, checked against its own functions), that
 a call playing only some samples draws each as the whole call would, and what comes back. Single-turn samples come
 from tests/fakes.py's FakeServer (a fake: its answers follow from the seed, so the draw is visible in the reward);
@@ -13,7 +13,7 @@ from apmpo import seeding
 from apmpo.envs.episodes import EpisodeLimits, EpisodeRunner
 from apmpo.quickstart import build_tokenizer
 from apmpo.sampling import Sampling
-from apmpo.trajectory import play
+from apmpo.play import play
 from fakes import FakeServer
 
 RECORDS = [{"id": i, "answer": "1", "reward": 0.25 * i} for i in range(4)]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from apmpo import seeding
 from apmpo.data import BUILTIN, build_messages, encode_prompt, load_records
-from apmpo.trajectory import play, seeds_per_sample
+from apmpo.play import play, seeds_per_sample
 
 if TYPE_CHECKING:  # light at run time: the config imports this module to check eval.benchmarks
     from apmpo.sampling import Sampling

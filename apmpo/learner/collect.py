@@ -22,13 +22,14 @@ from apmpo import seeding
 from apmpo.envs.episodes import EpisodeRunner
 from apmpo.learner.batching import StepRollouts
 from apmpo.loss import LossConfig, adaptive_params, advantages_for
+from apmpo.play import play, seeds_per_sample
 from apmpo.rewards import RewardSummary
 from apmpo.sampling import Sampling
-from apmpo.trajectory import Rollout, play, seeds_per_sample
+from apmpo.trajectory import Rollout
 
 # completions, samples, deadline=, max_failures= -> (rewards, summary): apmpo.rewards.RewardPool.score with the
 # reward bound; crashes and time-outs are scored 0 and counted in the RewardSummary. collect_rollouts binds the
-# step's deadline and failure budget, which makes it the ScoreFn that apmpo.trajectory.play calls.
+# step's deadline and failure budget, which makes it the ScoreFn that apmpo.play.play calls.
 PoolScore = Callable[..., "tuple[list[float], RewardSummary]"]
 # More failed rewards than this in a step is a broken reward function, not hard completions: stop, rather than
 # train on zeros.
