@@ -397,7 +397,7 @@ def test_bad_episode_config_fails_at_load_naming_the_key(overrides, message, mon
 def test_a_request_takes_one_seed_per_prompt_or_one_seed_not_both():
     from pydantic import ValidationError
 
-    from apmpo.rollout.server import MAX_SEED, GenerateRequest
+    from apmpo.rollout.protocol import MAX_SEED, GenerateRequest
 
     body = {"prompts": [[1, 2], [3]], "n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4}
     assert GenerateRequest(**body, seeds=[5, 9]).seeds == [5, 9]

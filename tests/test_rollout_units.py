@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from apmpo import warm
 from apmpo.rollout.net import OneThread, is_loopback
-from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
+from apmpo.rollout.protocol import GenerateRequest, Limits, check_generate
+from apmpo.rollout.server import parse_args
 from apmpo.rollout.weight_sync import (SHM_DIR, WeightGroup, pack, plan_buckets, receive_buckets, select_transport,
                                        send_buckets, unpack)
 

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 from apmpo.rollout.client import GenerationClient, ServerUnavailable
 from apmpo.rollout.launcher import ServerProcess, serve, start_server
 from apmpo.rollout.net import free_port
-from apmpo.rollout.server import GenerateRequest, Limits, check_generate, parse_args
+from apmpo.rollout.protocol import GenerateRequest, Limits, check_generate
+from apmpo.rollout.server import parse_args
 from apmpo.rollout.weight_sync import (SHM_DIR, BadPush, Bucket, ExpectedWeights, all_finite,
                                        plan_buckets, sweep_orphans_in_shm)
 

@@ -82,7 +82,7 @@ def test_greedy_with_several_samples_is_a_422_not_a_500():
     # vLLM raised "n must be 1 when using greedy sampling" while /generate built the request: a bare 500.
     from pydantic import ValidationError
 
-    from apmpo.rollout.server import GenerateRequest
+    from apmpo.rollout.protocol import GenerateRequest
 
     good = dict(prompts=[[1, 2]], temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4)
     assert GenerateRequest(**good, n=1).n == 1

@@ -12,17 +12,15 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import HTTPException
 
 from apmpo.rollout import vllm_compat as compat
 from apmpo.rollout.net import OneThread, in_thread
+from apmpo.rollout.protocol import (BeginUpdateRequest, GenerateRequest, InitWeightGroupRequest, Limits,
+                                    LoadUpdateRequest)
 from apmpo.rollout.weight_sync import ADAPTER_FOLDER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights
-
-if TYPE_CHECKING:
-    from apmpo.rollout.server import (BeginUpdateRequest, GenerateRequest, InitWeightGroupRequest, Limits,
-                                      LoadUpdateRequest)
 
 log = logging.getLogger("apmpo.rollout.server")
 
@@ -30,8 +28,8 @@ UPDATE_FAILED = "weight update failed after its load began; the server generates
 
 
 class ServedEngine:
-    """An engine and its state. An update returns {weight_version, reload_s, wait_s} (server.WeightUpdateResponse);
-    a generation its outputs, [prompt][sample] dicts (server.Sample), and the weight version that made them."""
+    """An engine and its state. An update returns {weight_version, reload_s, wait_s} (protocol.WeightUpdateResponse);
+    a generation its outputs, [prompt][sample] dicts (protocol.Sample), and the weight version that made them."""
 
     def __init__(self, llm: Any, model: str, limits: Limits, lora_versions: int = 1,
                  engine_thread: OneThread | None = None):
