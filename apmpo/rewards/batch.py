@@ -78,7 +78,7 @@ class RewardSummary:
 
 def _worker_main(conn: Connection, memory_mb: int) -> None:
     limit_memory(memory_mb)
-    from apmpo.rewards import get_reward  # noqa: PLC0415  (in the worker, after fork)
+    from apmpo.rewards.registry import get_reward  # noqa: PLC0415  (in the worker, after fork)
 
     resolved: dict = {}
     ready = False
