@@ -303,7 +303,7 @@ class TrainConfig:
     # stage >= 1); about 12 bytes a parameter off each GPU, for a slower step.
     offload_optimizer: Literal["none", "cpu"] = "none"
     # dtype of ZeRO's gradient reduce-scatter (DeepSpeed's communication_data_type). None: the model's (bf16 on
-    # GPU); "fp32" reduces in fp32, twice the bytes on the wire (its cost: scripts/gpu_check.py, learner_fp32_comm).
+    # GPU); "fp32" reduces in fp32, twice the bytes on the wire (its cost: scripts/gpu_check/, learner_fp32_comm).
     communication_data_type: Literal["fp32", "bf16"] | None = None
     seed: int = ranged(0, "[0, 2**31 - 1]")  # and within apmpo.seeding's layout
     resume: str = "auto"  # "auto": latest complete checkpoint of this run, "never", or a checkpoint path

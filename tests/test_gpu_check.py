@@ -1,5 +1,7 @@
 """scripts/gpu_check.sh: the GPU check's code runs here on CPU at tiny shapes (`--dry-run`), so it cannot rot
-while CI has no GPU. Its figures are not judged here, only that every check runs and reports them."""
+while CI has no GPU. Its figures are not judged here, only that every check runs and reports them. Its parts that
+need no device (judging a goal, running checks by name, the report's lines, the adapter's plan, what to carry to
+the GPU machine) are tested as functions of the package scripts/gpu_check/."""
 import importlib.util
 import json
 import math
@@ -11,14 +13,14 @@ from importlib.metadata import requires
 
 from packaging.utils import canonicalize_name
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from scripts.gpu_check import measure, run, transport, wheels
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-spec.loader.exec_module(gpu_check)
 
 FIGURES = {  # per check, the figures the issue asks for: each must be a positive finite number
     "matmul_peak": ["tflops"],
@@ -59,12 +61,12 @@ def test_dry_run_passes_every_check_and_writes_the_figures_without_vllm(tmp_path
     out = tmp_path / "gpu_check.json"
     result = gpu_check_sh("--dry-run", "--out", str(out), pythonpath=absent(tmp_path, "vllm"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert [line.split(":")[0] for line in check_lines(result.stdout)] == [f"PASS {name}" for name in gpu_check.CHECKS]
+    assert [line.split(":")[0] for line in check_lines(result.stdout)] == [f"PASS {name}" for name in run.CHECKS]
 
     report = json.loads(out.read_text())
     assert report["mode"] == "dry-run" and report["passed"] is True
     assert report["environment"]["torch"] == torch.__version__
-    assert {name: r["status"] for name, r in report["checks"].items()} == {name: "pass" for name in gpu_check.CHECKS}
+    assert {name: r["status"] for name, r in report["checks"].items()} == {name: "pass" for name in run.CHECKS}
     for name, keys in FIGURES.items():
         figures = report["checks"][name]["figures"]
         for key in keys:
@@ -109,11 +111,11 @@ def test_an_unknown_check_is_refused_by_name(tmp_path):
 def test_the_deepspeed_requirements_listed_are_those_of_the_installed_deepspeed():
     """The GPU box is told which of these it lacks; they must not drift from DeepSpeed's own list."""
     needs = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requires("deepspeed") if "extra ==" not in r}
-    assert needs == set(gpu_check.DEEPSPEED_REQUIRES)
+    assert needs == set(wheels.DEEPSPEED_REQUIRES)
 
 
 def test_a_missing_module_is_fetched_under_its_distributions_name():
-    assert gpu_check.download_command(["yaml", "math_verify", "einops"]).endswith(" pyyaml math-verify einops")
+    assert wheels.download_command(["yaml", "math_verify", "einops"]).endswith(" pyyaml math-verify einops")
 
 
 def test_the_wheel_folder_holds_what_the_checks_import():
@@ -125,9 +127,7 @@ import ast, json, sys, importlib.util
 from importlib.metadata import packages_distributions
 from pathlib import Path
 root = Path.cwd()
-spec = importlib.util.spec_from_file_location("gpu_check", "scripts/gpu_check.py")
-g = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(g)
+import scripts.gpu_check.run
 import benchmarks.loss_overhead, apmpo.learner.step, apmpo.learner.logprobs, apmpo.rollout.weight_sync  # what the checks import inside
 files = {Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
 roots = set()
@@ -156,3 +156,83 @@ print(json.dumps(sorted({d for r in roots for d in dists.get(r, [])})))
     assert imported - carried - {"torch"} - set(never_reached) == set()
     assert {"deepspeed", "transformers", "pyyaml", "math-verify", "requests", "hjson", "py-cpuinfo"} <= carried
     assert "torch" not in carried and "sympy" not in carried  # the machine's torch and its requirements
+
+
+@pytest.mark.parametrize("goal, missed", [(None, False), ((1.2, "<=", 1.1), True), ((1.1, "<=", 1.1), False),
+                                          ((0.2, ">=", 0.25), True), ((0.25, ">=", 0.25), False)])
+def test_a_goal_is_missed_only_on_its_wrong_side(goal, missed):
+    assert measure.Outcome({}, "", goal).missed() is missed
+
+
+def test_the_median_skips_the_warm_up(monkeypatch):
+    # A FAKE clock, which only the function timed moves: its runs take 10, 1, 3, 2 s. With warmup=1 and repeats=3
+    # the warm-up's 10 is dropped, and the median of 1, 3, 2 is 2.
+    clock, durations = [0.0], iter([10.0, 1.0, 3.0, 2.0])
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def run_once() -> None:
+        clock[0] += next(durations)
+
+    assert measure.median_seconds(run_once, "cpu", repeats=3, warmup=1) == 2.0
+
+
+def test_checks_run_by_name_each_on_its_own_and_the_report_says_how_each_ended(monkeypatch, tmp_path, capsys):
+    def slow(s):  # misses its goal: failed on the GPU, reported but not judged in a dry run
+        return measure.Outcome({"x": 1.5}, "1.50x", goal=(1.5, "<=", 1.1))
+
+    def wrong(s):
+        raise measure.CheckFailed("bytes differ")
+
+    def lacking(s):  # a package the GPU machine lacks: the reason says how to carry it, under its distribution's name
+        raise ModuleNotFoundError("No module named 'yaml'", name="yaml")
+
+    def crashing(s):
+        raise ValueError("out of memory")
+
+    checks = {"slow": slow, "wrong": wrong, "lacking": lacking, "crashing": crashing}
+    monkeypatch.setattr(run, "CHECKS", checks)
+    results = run.run_checks(measure.DRY_RUN, ["slow", "wrong", "lacking", "crashing"], dry_run=True)
+    assert {name: r["status"] for name, r in results.items()} == {"slow": "pass", "wrong": "fail", "lacking": "fail",
+                                                                  "crashing": "fail"}
+    assert results["slow"]["summary"] == "1.50x [goal <= 1.1x, not judged in --dry-run]"
+    assert results["slow"]["figures"] == {"x": 1.5}
+    assert results["wrong"]["reason"] == "bytes differ"
+    assert results["lacking"]["reason"].startswith("No module named 'yaml'. Carry it as a wheel: where pip has the "
+                                                   "internet, .venv/bin/python -m pip download")
+    assert results["lacking"]["reason"].endswith("-m pip install --no-index --find-links wheels/ pyyaml")
+    assert results["crashing"]["reason"] == "ValueError: out of memory"
+    assert all(r["seconds"] >= 0 for r in results.values())
+    assert run.run_checks(measure.DRY_RUN, ["slow"], dry_run=False)["slow"] == {
+        "status": "fail", "summary": "1.50x [goal <= 1.1x]", "figures": {"x": 1.5},
+        "reason": "missed the goal: 1.50x [goal <= 1.1x]", "seconds": pytest.approx(0, abs=1)}
+    lines = [line for line in capsys.readouterr().out.splitlines() if re.match(r"(PASS|FAIL) \w+:", line)]
+    assert lines[:2] == ["PASS slow: 1.50x [goal <= 1.1x, not judged in --dry-run]", "FAIL wrong: bytes differ"]
+
+    out = tmp_path / "report.json"
+    assert run.main(["--dry-run", "--only", "slow,wrong", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["mode"] == "dry-run" and report["passed"] is False
+    assert report["shapes"]["dtype"] == "torch.float32" and report["shapes"]["device"] == "cpu"
+    assert [(name, r["status"]) for name, r in report["checks"].items()] == [("slow", "pass"), ("wrong", "fail")]
+    assert capsys.readouterr().out.splitlines()[-1] == f"FAILED: wrong; figures in {out}"
+
+
+def test_the_adapter_pushed_has_both_halves_of_every_linear_layer_at_its_rank():
+    # TINY: hidden 64, ffn 128, 2 heads and 1 key-value head, so k and v project to 64 / 2 * 1 = 32. Per layer, at
+    # rank 16, elements: q 16*64 + 64*16 = 2048, k 16*64 + 32*16 = 1536, v 1536, o 2048, gate 16*64 + 128*16 = 3072,
+    # up 3072, down 16*128 + 64*16 = 3072: 16384 a layer, 32768 for 2 layers, 131072 bytes in fp32.
+    buckets = transport.adapter_buckets_of(measure.TINY, torch.float32, bucket_bytes=64 << 10)
+    specs = [spec for bucket in buckets for spec in bucket.tensors]
+    assert len(specs) == 2 * 7 * 2
+    assert specs[0].name == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert (specs[0].shape, specs[1].shape) == ((16, 64), (64, 16))
+    assert sum(math.prod(spec.shape) for spec in specs) * 4 == 131072
+    assert all(spec.dtype == "float32" for spec in specs)
+
+
+def test_the_payload_is_the_same_on_both_sides_of_a_push():
+    buckets = transport.adapter_buckets_of(measure.TINY, torch.float32, bucket_bytes=64 << 10)
+    sent, received = transport.payload(buckets, "cpu", seed=1), transport.payload(buckets, "cpu", seed=1)
+    pairs = list(zip(sent, received, [spec for bucket in buckets for spec in bucket.tensors], strict=True))
+    assert all(torch.equal(a, b) and a.shape == spec.shape for a, b, spec in pairs)
+    assert not torch.equal(next(transport.payload(buckets, "cpu", seed=2)), pairs[0][0])

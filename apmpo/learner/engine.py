@@ -67,7 +67,7 @@ def close_distributed() -> None:
     """Tears this rank's process group down once every rank is past its last collective. Every rank of a
     several-rank group ends with it (launch/train.py, the tests' workers): a rank that exited while another's gloo
     threads still ran aborted that one ('terminate called without an active exception', exit -6), now and then,
-    under load. A lone rank has no peer to abort (scripts/gpu_check.py runs its checks in one)."""
+    under load. A lone rank has no peer to abort (scripts/gpu_check/ runs its checks in one)."""
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
