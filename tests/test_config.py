@@ -13,9 +13,9 @@ import torch
 import yaml
 
 from apmpo import preflight
-from apmpo.config import (Config, ConfigError, ConfigWarning, _parse_range, check_range, load_config, native_fp16,
-                          save_config)
+from apmpo.config import Config, ConfigError, ConfigWarning, load_config, native_fp16, save_config
 from apmpo.loss import LossConfig
+from apmpo.typed_yaml import _parse_range, check_range
 
 ROOT = Path(__file__).resolve().parents[1]
 
