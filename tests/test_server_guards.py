@@ -21,8 +21,8 @@ from apmpo.rollout.launcher import ServerProcess, serve, start_server
 from apmpo.rollout.net import free_port
 from apmpo.rollout.protocol import GenerateRequest, Limits, check_generate
 from apmpo.rollout.server import parse_args
-from apmpo.rollout.weight_sync import (SHM_DIR, BadPush, Bucket, ExpectedWeights, all_finite,
-                                       plan_buckets, sweep_orphans_in_shm)
+from apmpo.rollout.push_check import BadPush, ExpectedWeights
+from apmpo.rollout.weight_sync import SHM_DIR, Bucket, all_finite, plan_buckets, sweep_orphans_in_shm
 
 BASE = dict(prompts=[[1, 2, 3], [4, 5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8)
 

@@ -20,7 +20,8 @@ from apmpo.rollout import vllm_compat as compat
 from apmpo.rollout.net import OneThread, in_thread
 from apmpo.rollout.protocol import (BeginUpdateRequest, GenerateRequest, InitWeightGroupRequest, Limits,
                                     LoadUpdateRequest)
-from apmpo.rollout.weight_sync import ADAPTER_FOLDER_PREFIX, SHM_DIR, BadPush, Bucket, ExpectedWeights
+from apmpo.rollout.push_check import BadPush, ExpectedWeights
+from apmpo.rollout.weight_sync import ADAPTER_FOLDER_PREFIX, SHM_DIR, Bucket
 
 log = logging.getLogger("apmpo.rollout.server")
 

@@ -19,19 +19,23 @@ A bucket is a flat uint8 buffer holding many tensors at aligned offsets. The ord
 are declared up front (`plan_buckets`) and sent with the HTTP request that begins the update, so only raw
 bytes travel over the group. Both sides keep two buckets in flight: the learner packs bucket k+1 while k is on
 the wire, and the worker receives k+1 while the engine loads k.
+
+Both ends of the wire live here, the learner's (send_buckets) and the engine's (receive_buckets, and the vLLM worker
+extension that calls it), beside the bucket format and the group they share: each transport's sending and
+receiving must agree byte for byte and step for step (which collective, which buffer, who waits), and read side by
+side they can be checked against each other. That is why the module is long: one protocol, four transports, two
+ends. What a push must hold, which only the server checks, is apmpo.rollout.push_check's.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-import difflib
 import glob
 import io
 import itertools
 import logging
 import os
 import pickle
-import re
 import shutil
 import time
 import uuid
@@ -53,9 +57,9 @@ ADAPTER_FOLDER_PREFIX = "apmpo-adapter-"  # + "<the server's pid>-<a unique id>"
 ABORT_KEY = "apmpo/abort"  # in the group's store: a rank gave up the push in flight (WeightGroup.give_up)
 ABORT_POLL_S = 0.05  # how often a waiting worker asks the store for ABORT_KEY
 # A LoRA adapter's tensors, named as PEFT's save_pretrained writes them into adapter_model.safetensors (what
-# vLLM reads): the layer's name in the HF model under PEFT_PREFIX, then which half of the update B A.
+# vLLM reads): the layer's name in the HF model under PEFT_PREFIX, then which half of the update B A
+# (apmpo.rollout.push_check.ADAPTER_TENSOR).
 PEFT_PREFIX = "base_model.model."
-ADAPTER_TENSOR = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_([AB])\.weight")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -87,103 +91,6 @@ class Bucket:
                                            for t in bucket["tensors"]))
 
 
-class BadPush(ValueError):
-    """A push that does not fit the served model; the message names the first tensor at fault."""
-
-
-@dataclass(frozen=True)
-class ExpectedWeights:
-    """What a push must hold: every parameter of the served model as the learner's HF model names it
-    (`named_parameters()`), with its shape, in the engine's dtype. Checked before anything is loaded: vLLM's
-    loader fails only partway (the served model then a mix of old and new layers), or not at all (a tensor of
-    half the size once loaded, and the compiled CPU model then read past its end and crashed the server)."""
-
-    shapes: dict[str, tuple[int, ...]]  # every parameter, tied aliases included
-    optional: frozenset[str]  # tied aliases that named_parameters() omits (lm_head.weight): allowed, not required
-    dtype: str  # the engine's: the learner casts floating tensors to it
-
-    @classmethod
-    def of_model(cls, model: str, dtype: str) -> ExpectedWeights:
-        """`model`'s parameters from its config alone (a model on the meta device: no weights are read), built
-        by the class the learner trains (apmpo.learner.engine.load_model)."""
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-        from apmpo.data.vision import is_vision_language
-
-        auto = AutoModelForImageTextToText if is_vision_language(model) else AutoModelForCausalLM
-        with torch.device("meta"):
-            hf = auto.from_config(AutoConfig.from_pretrained(model))
-        required = {name for name, _ in hf.named_parameters()}
-        shapes = {name: tuple(p.shape) for name, p in hf.named_parameters(remove_duplicate=False)}
-        return cls(shapes, frozenset(shapes.keys() - required), dtype)
-
-    def check(self, buckets: list[Bucket]) -> None:
-        """Raises BadPush naming the first tensor that does not belong in a full push of this model, or the first
-        parameter it lacks."""
-        seen: set[str] = set()
-        for spec in self._declared(buckets):
-            name = spec.name
-            seen.add(name)
-            if name not in self.shapes:
-                near = difflib.get_close_matches(name, list(self.shapes), n=1)
-                raise BadPush(f"tensor {name!r} is not a parameter of the served model"
-                              + (f" (did you mean {near[0]!r}?)" if near else ""))
-            if tuple(spec.shape) != self.shapes[name]:
-                raise BadPush(f"tensor {name!r} has shape {list(spec.shape)}; the served model's is "
-                              f"{list(self.shapes[name])}")
-        missing = [name for name in self.shapes if name not in seen and name not in self.optional]
-        if missing:
-            raise BadPush(f"a partial push: {len(missing)} of the served model's "
-                          f"{len(self.shapes) - len(self.optional)} parameters are missing, the first {missing[0]!r}; "
-                          "a push must hold every parameter")
-
-    def check_adapter(self, buckets: list[Bucket], config: dict, max_rank: int) -> None:
-        """Raises BadPush naming the first tensor that does not belong in a LoRA adapter of this model with
-        `config` (adapter_config.json as a dict), as PEFT's save_pretrained writes one: each tensor is
-        `base_model.model.<layer>.lora_A.weight` [r, in] or `.lora_B.weight` [out, r] of a 2-D weight
-        `<layer>.weight` [out, in] of the served model, r is the config's, and every layer has both."""
-        rank = config.get("r")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= max_rank:  # true is not rank 1
-            raise BadPush(f"the adapter's rank r={rank!r} must be an integer in [1, {max_rank}] (the server's "
-                          "--max-lora-rank)")
-        if config.get("rank_pattern") or config.get("alpha_pattern"):
-            raise BadPush("an adapter with a rank_pattern or alpha_pattern is not checked here: load its folder "
-                          "(POST /lora/load)")
-        halves: dict[str, set[str]] = {}
-        for spec in self._declared(buckets):
-            match = ADAPTER_TENSOR.fullmatch(spec.name)
-            weight = self.shapes.get(f"{match[1]}.weight") if match else None
-            if weight is None or len(weight) != 2:
-                raise BadPush(f"tensor {spec.name!r} is not a LoRA tensor of the served model (expected "
-                              f"'{PEFT_PREFIX}<a linear layer>.lora_A.weight' or '.lora_B.weight')")
-            out_features, in_features = weight
-            shape = (rank, in_features) if match[2] == "A" else (out_features, rank)
-            if tuple(spec.shape) != shape:
-                raise BadPush(f"tensor {spec.name!r} has shape {list(spec.shape)}; with r={rank} it must be "
-                              f"{list(shape)}")
-            halves.setdefault(match[1], set()).add(match[2])
-        if not halves:
-            raise BadPush("an adapter push holds no tensors")
-        lacking = next((layer for layer, found in halves.items() if found != {"A", "B"}), None)
-        if lacking is not None:
-            half = "B" if "A" in halves[lacking] else "A"
-            raise BadPush(f"'{PEFT_PREFIX}{lacking}.lora_{half}.weight' is missing: the adapter's layers need "
-                          "both halves")
-
-    def _declared(self, buckets: list[Bucket]) -> Iterator[TensorSpec]:
-        """Every declared tensor, after the checks that any push passes: declared once, in the engine's dtype,
-        inside its bucket."""
-        seen: set[str] = set()
-        for bucket in buckets:
-            for spec in bucket.tensors:
-                if spec.name in seen:
-                    raise BadPush(f"tensor {spec.name!r} is declared twice")
-                seen.add(spec.name)
-                if spec.dtype != self.dtype:
-                    raise BadPush(f"tensor {spec.name!r} has dtype {spec.dtype}; the engine's is {self.dtype}")
-                if spec.offset + spec.nbytes > bucket.nbytes:
-                    raise BadPush(f"tensor {spec.name!r} ends past its bucket's {bucket.nbytes} bytes")
-                yield spec
 
 
 def all_finite(tensor: torch.Tensor) -> torch.Tensor:
