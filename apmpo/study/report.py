@@ -410,6 +410,10 @@ def _answer(a: dict) -> list[str]:
     lines = ["## The pre-registered question", "",
              f"{m} − {ref} on {what}, over {n} seeds ({_seeds(plan['seeds'])}), for a 95% paired t-interval of "
              f"half-width ±{h:.1f} points: fixed in study.json before the first run.", ""]
+    if plan.get("first") is not None:
+        lines += [f"The rule, fixed with the question: once every planned pair has finished, more seeds (the next in "
+                  f"order) only while the interval is wider than ±{h:.1f}, judged on its width alone, up to "
+                  f"{plan['max_seeds']} seeds; {n - plan['first']} added so far.", ""]
     if d is None:
         return lines + ["No pair has finished yet.", ""]
     p, low, high = d["improvement"]
@@ -427,10 +431,6 @@ def _answer(a: dict) -> list[str]:
                  "than the plan assumed (a new question needs a new plan, in another study).",
     }[a["verdict"]]
     lines.append(verdict)
-    if plan.get("first") is not None:
-        lines.append(f"The rule, fixed with the question: once every planned pair has finished, more seeds (the next "
-                     f"in order) only while the interval is wider than ±{h:.1f}, judged on its width alone, up to "
-                     f"{plan['max_seeds']} seeds; {n - plan['first']} added so far.")
     if a["split"]:
         lines.append(f"Seeds {_seeds(a['split'])}: the pair's runs ran on different machines; left out of the answer.")
     if a["outside_plan"]:
