@@ -94,7 +94,8 @@ class TestTwoServers:
         with GenerationClient(url, TOKEN) as busy:
             start = time.monotonic()
             busy.generate(**batch)  # the same seeded batch each time: as long each time
-            deadline = max(0.25, (time.monotonic() - start) / 4)
+            batch_s = time.monotonic() - start
+        deadline = max(0.25, batch_s / 8)
         stop, started = threading.Event(), []
 
         def generate_until_stopped() -> None:  # back to back: the engine is free only between two batches
@@ -110,8 +111,11 @@ class TestTwoServers:
             generating = threading.Thread(target=generate_until_stopped)
             generating.start()
             try:
-                while len(started) < 2:  # a batch has just begun: about 4 deadlines of it are left
+                while len(started) < 2:  # a batch is about to begin
                     time.sleep(0.01)
+                # Sent, not yet in the engine, a join would find it free (on a loaded machine, CI's, it did): the
+                # request has a deadline to get there, and about 6 deadlines of the batch are left after it.
+                time.sleep(deadline)
                 start = time.monotonic()
                 with pytest.raises(ServerError, match=f"{url}.*503.*busy \\(generating\\) for the join's whole "
                                                       f"deadline, {deadline:g} s"):

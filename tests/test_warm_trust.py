@@ -199,7 +199,8 @@ while True:
 RELAYED = "import os\nfrom apmpo import warm\nwarm.relay()\nprint(os.getpid(), flush=True)\n"
 
 
-def test_a_caller_sends_nothing_to_another_users_socket_and_starts_its_program_afresh(opened, as_nobody, capfd):
+def test_a_caller_sends_nothing_to_another_users_socket_and_starts_its_program_afresh(opened, as_nobody, capfd,
+                                                                                     monkeypatch):
     """At the path a run names, another user's listener: `run`, `fork_server` (the launcher's servers) and `relay`
     connect, send it neither environment nor descriptors, and start their programs here, saying why."""
     folder = opened[0].parent
@@ -213,12 +214,9 @@ def test_a_caller_sends_nothing_to_another_users_socket_and_starts_its_program_a
         assert done.stdout == "ran\n" and not hasattr(done, "cpu_s")
         assert capfd.readouterr().err == f"[apmpo] started afresh, not forked: {why}\n"
 
-        with open(folder / "server.log", "wb") as log:
-            os.environ[warm.WARM_SERVERS_ENV] = str(theirs)
-            try:
-                assert warm.fork_server(["--model", "m"], dict(os.environ), log.fileno(), ()) is None
-            finally:
-                del os.environ[warm.WARM_SERVERS_ENV]
+        with open(folder / "server.log", "wb") as log, monkeypatch.context() as env:
+            env.setenv(warm.WARM_SERVERS_ENV, str(theirs))  # restored after: the suite's own warm process may be set
+            assert warm.fork_server(["--model", "m"], dict(os.environ), log.fileno(), ()) is None
         assert (folder / "server.log").read_text() == f"[apmpo] started afresh, not forked: {why}\n"
 
         (folder / "relayed.py").write_text(RELAYED)
