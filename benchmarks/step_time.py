@@ -6,7 +6,7 @@
     python benchmarks/step_time.py --sizes quickstart --prompt-tokens 128   # longer prompts, same task
     python benchmarks/step_time.py --sizes quickstart --set rollout.num_servers=1   # an apmpo config override
     python benchmarks/step_time.py --sizes smollm2 --tokens 48 64 --steps 4 --warmup 1   # the real model (issue 32)
-    PYTHONPATH=<trl> python benchmarks/step_time.py --sizes smollm2 --tokens 64 --baseline-dtypes fp32 bf16 \
+    PYTHONPATH=<trl> python benchmarks/step_time.py --sizes smollm2 --tokens 64 --baseline-dtypes fp32 bf16 \\
         --set model.dtype=bf16                      # issue 45: TRL's both precisions, and the machine's limit
 
 The task is the quickstart's (16 prompts x 8 samples, apmpo/quickstart.py), one optimiser step per rollout batch,

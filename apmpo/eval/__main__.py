@@ -1,7 +1,7 @@
 """Evaluate a model or a checkpoint as the paper does: sample n completions per problem at temperature 0.6, score
 them with the training rewards (apmpo.rewards), report Pass@1 and Pass@k as mean ± std over seeds.
 
-    python -m apmpo.eval --model PATH_OR_HUB_ID --benchmarks math500,aime24,aime25,amc23,minerva,olympiadbench \
+    python -m apmpo.eval --model PATH_OR_HUB_ID --benchmarks math500,aime24,aime25,amc23,minerva,olympiadbench \\
         --n 16 --temperature 0.6 --top-p 0.95 --max-tokens 4096 --seeds 0,1,2 --out DIR [--limit K] [--server URL]
     python -m apmpo.eval --model M --benchmarks spider --out DIR                       # Spider-dev, execution accuracy
     python -m apmpo.eval --model M --benchmarks bird_dev=dev.json --task sql --db-root dev_databases --out DIR

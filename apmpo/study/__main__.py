@@ -1,15 +1,15 @@
 """Compare methods over seeds: train every (method, seed), evaluate each run, report differences with intervals.
 
-    python -m apmpo.study --config configs/smollm2_arith.yaml --out studies/smollm2_arith \
+    python -m apmpo.study --config configs/smollm2_arith.yaml --out studies/smollm2_arith \\
         --methods apmpo,grpo,dapo,gmpo --seeds 0,1,2
     python -m apmpo.study --out studies/smollm2_arith --methods pmpo_only,fac_only --seeds 0,1   # same folder: more
     python -m apmpo.study --out studies/smollm2_arith --methods apmpo_bf16 --variant "apmpo_bf16: model.dtype=bf16"
     python -m apmpo.study --out studies/smollm2_arith --methods apmpo_bf16 --seeds 2   # a variant it knows
     python -m apmpo.study --out studies/smollm2_arith --report [--reference grpo]   # the report alone
     python -m apmpo.study --out studies/smollm2_arith --plan --halfwidth 2 --methods apmpo   # seeds for +-2 points
-    python -m apmpo.study --config configs/smollm2_arith.yaml --out studies/answer --methods apmpo,grpo \
+    python -m apmpo.study --config configs/smollm2_arith.yaml --out studies/answer --methods apmpo,grpo \\
         --seeds 0-85 --score last --halfwidth 2     # the question fixed in study.json before the first run
-    python -m apmpo.study --config configs/smollm2_twostep.yaml --out studies/twostep_answer --methods apmpo,grpo \
+    python -m apmpo.study --config configs/smollm2_twostep.yaml --out studies/twostep_answer --methods apmpo,grpo \\
         --seeds 100-113 --score auc --halfwidth 2 --max-seeds 40 --until 15:00   # with its rule for more seeds
     python -m apmpo.study --out studies/twostep_answer --plan      # the rule applied: "done", "N more", or waiting
 
