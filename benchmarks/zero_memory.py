@@ -63,9 +63,9 @@ def worker(model_path: str, dtype: str, sets: list[str], out: str) -> None:
               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     Path(f"{out}.rank{dist.rank}.json").write_text(json.dumps(record))
     close_distributed()
-    # Its record written, the rank leaves without the interpreter's teardown: a ZeRO-3 rank aborted there under load
-    # in CI ('terminate called without an active exception', exit -6) after barrier and destroy_process_group, with
-    # DeepSpeed's partitioned parameters still alive; that teardown is not what this script measures.
+    # Its record written, the rank leaves without the interpreter's teardown, which this script does not measure: a
+    # ZeRO-3 rank aborted there once under CI's load ('terminate called without an active exception'), after the
+    # barrier and destroy_process_group of close_distributed.
     sys.stdout.flush()
     os._exit(0)
 

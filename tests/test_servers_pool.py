@@ -113,8 +113,8 @@ class TestTwoServers:
             try:
                 while len(started) < 2:  # a batch is about to begin
                     time.sleep(0.01)
-                # Sent, not yet in the engine, a join would find it free (on a loaded machine, CI's, it did): the
-                # request has a deadline to get there, and about 6 deadlines of the batch are left after it.
+                # The batch is being sent: until it reaches the engine a join finds the engine free (on CI's loaded
+                # machine one did). A deadline for it to get there leaves about 6 deadlines of the batch after it.
                 time.sleep(deadline)
                 start = time.monotonic()
                 with pytest.raises(ServerError, match=f"{url}.*503.*busy \\(generating\\) for the join's whole "
